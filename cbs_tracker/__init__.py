@@ -1,0 +1,42 @@
+"""cbs-tracker: measure the gradient noise scale online and grow the batch when the run can use it.
+
+The package re-exports its public names; each lives in a module of its own.
+Names whose module needs an optional dependency (Lightning, TensorBoard) are
+imported on first use, so ``import cbs_tracker`` needs only torch and numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported lazily on first attribute access)
+_EXPORTS: dict[str, str] = {
+    "NoiseScaleEstimator": "cbs_tracker.estimator",
+    "NoiseScaleEstimate": "cbs_tracker.estimator",
+    "estimate_from_norms": "cbs_tracker.estimator",
+    "GradStatsCollector": "cbs_tracker.collector",
+    "StepStats": "cbs_tracker.collector",
+    "CBSTracker": "cbs_tracker.tracker",
+    "BatchSizeController": "cbs_tracker.controller",
+    "Decision": "cbs_tracker.controller",
+    "TensorBoardLogger": "cbs_tracker.tb",
+    "CBSCallback": "cbs_tracker.integrations.lightning",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cbs_tracker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
