@@ -1,0 +1,59 @@
+"""What the tracker reports after each optimizer step: one frozen record, shared by all adapters.
+
+Loggers (TensorBoard, Lightning) and the plot read only this record, so every
+adapter writes the same tags with the same meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Unit = Literal["tokens", "samples"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The tracker's view of one optimizer step.
+
+    Every size is in ``unit`` (loss-contributing tokens or samples), summed as
+    stated. ``None`` means "not measured yet" (too few steps, or ``K = 1``).
+
+    Attributes:
+        step: optimizer steps completed, this one included (1 after the first step).
+        tokens_seen: units consumed by all DP ranks since the start, this step included
+            (in ``unit``; the name says tokens because that is the usual unit).
+        unit: ``"tokens"`` or ``"samples"``.
+        global_batch: units in this optimizer step, summed over DP ranks and the window.
+        micro_batch: mean units of one microbatch on one rank in this step.
+        accumulation_steps: microbatches per rank in this step's window.
+        dp_degree: data-parallel ranks (ranks that see different data).
+        grad_sq_norm: smoothed estimate of ``|G|^2`` (McCandlish et al. 2018, App. A).
+        trace_cov: smoothed estimate of ``tr(Sigma)``, per-example covariance trace, in
+            squared-gradient units times ``unit``.
+        noise_scale: ``B_simple = trace_cov / grad_sq_norm`` in ``unit``.
+        critical_batch: the controller's target ``kappa * noise_scale`` clipped to its
+            bounds, in ``unit`` (``None`` without a controller or before a measurement).
+        lr: learning rate of the first param group after this step's coupling.
+        step_grad_sq_norm: this step's own unbiased ``|G|^2`` estimate (noisy, may be < 0).
+        step_trace_cov: this step's own unbiased ``tr(Sigma)`` estimate (noisy, may be < 0).
+        dropped: the step's gradients were not finite on some rank; nothing was measured.
+        next_accumulation_steps: microbatches per rank in the next window (after a decision).
+    """
+
+    step: int
+    tokens_seen: float
+    unit: Unit
+    global_batch: float
+    micro_batch: float
+    accumulation_steps: int
+    dp_degree: int
+    grad_sq_norm: float | None = None
+    trace_cov: float | None = None
+    noise_scale: float | None = None
+    critical_batch: float | None = None
+    lr: float | None = None
+    step_grad_sq_norm: float | None = None
+    step_trace_cov: float | None = None
+    dropped: bool = False
+    next_accumulation_steps: int | None = None
