@@ -236,15 +236,17 @@ def find_batch_changes(run: RunScalars) -> list[BatchChange]:
     dp = _as_map(run, "cbs/dp_degree") if "cbs/dp_degree" in run else {}
     steps = [s for s in sorted(accum) if s in seen]
     levels = [int(round(accum[s] * dp.get(s, 1.0))) for s in steps]
-    return [
-        BatchChange(
-            step=steps[i],
-            seen=seen[steps[i - 1]],
-            old_microbatches=levels[i - 1],
-            new_microbatches=levels[i],
+    changes: list[BatchChange] = []
+    # The old level is the one the last change set, not levels[i - 1]: that may
+    # be a short window just before the change.
+    old = levels[0] if levels else 0
+    for i in change_indices(levels):
+        changes.append(
+            BatchChange(step=steps[i], seen=seen[steps[i - 1]], old_microbatches=old,
+                        new_microbatches=levels[i])
         )
-        for i in change_indices(levels)
-    ]
+        old = levels[i]
+    return changes
 
 
 def _positive(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
