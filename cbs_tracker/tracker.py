@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -38,6 +38,7 @@ from torch import nn
 from cbs_tracker import distributed as cbs_dist
 from cbs_tracker.collector import (
     GradStatsCollector,
+    GradTransform,
     StepStats,
     adam_preconditioner,
     local_grad_sq_norm,
@@ -377,45 +378,16 @@ class CBSTracker:
         return scale
 
     def _reduce_window(self, scale: torch.Tensor | None) -> StepStats:
-        big = local_grad_sq_norm(self._big_params(), self._transform)
-        ref = big if big is not None else (self.collector.microbatch_sq_norms() or [torch.zeros(())])[0]
-        device = cbs_dist.reduction_device(self.dp_group, ref.device)
-        sums = self.collector.window_sums(device)
-        small_sum = sums[0]
-        if scale is not None:
-            small_sum = small_sum / scale.to(device).double().square()
-        if self.loss_divided_by_accumulation:
-            small_sum = small_sum * float(self._window_divisor) ** 2
-        unmeasurable = self.collector.window_unmeasurable or (big is None and self._transform is not None)
-        big_val = torch.zeros((), dtype=torch.float64, device=device) if big is None else big.to(device).double()
-        contributes = self.big_norm_is_sharded or cbs_dist.group_rank(self.dp_group) == 0
-        if not contributes:
-            big_val = torch.zeros_like(big_val)
-        finite = torch.isfinite(small_sum) & torch.isfinite(big_val)
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        vec = torch.stack(
-            [
-                torch.where(finite, small_sum, zero),
-                sums[1],
-                sums[2],
-                sums[3],
-                torch.where(finite, big_val, zero),
-                (~finite).double(),
-                torch.tensor(float(unmeasurable), dtype=torch.float64, device=device),
-            ]
-        )
-        vec = cbs_dist.all_reduce_sum(vec, self.dp_group)
-        small_total, count, inv_sum, units, big_total, nonfinite, unmeas = vec.tolist()  # the step's one host sync
-        k = int(round(count))
         divisor = float(self._window_divisor) if self.loss_divided_by_accumulation else 1.0
-        big_sq = big_total * (self._avg_ranks * divisor / max(k, 1)) ** 2
-        return StepStats(
-            small_sq_norm=small_total / max(k, 1),
-            big_sq_norm=big_sq,
-            num_microbatches=k,
-            small_batch=(k / inv_sum) if inv_sum > 0 else 0.0,
-            units=units,
-            finite=nonfinite == 0 and unmeas == 0 and math.isfinite(big_sq),
+        return reduce_window(
+            self.collector,
+            self._big_params(),
+            dp_group=self.dp_group,
+            loss_divisor=divisor,
+            avg_ranks=self._avg_ranks,
+            scale=scale,
+            transform=self._transform,
+            big_norm_is_sharded=self.big_norm_is_sharded,
         )
 
     # ------------------------------------------------------------------ state
@@ -471,3 +443,80 @@ class CBSTracker:
     def remove_hooks(self) -> None:
         """Detach from the model (its gradients are never changed by the tracker)."""
         self.collector.remove()
+
+
+def reduce_window(
+    collector: GradStatsCollector,
+    big_params: Iterable[nn.Parameter],
+    *,
+    dp_group: Any | None,
+    loss_divisor: float,
+    avg_ranks: int,
+    scale: torch.Tensor | None = None,
+    transform: GradTransform | None = None,
+    big_norm_is_sharded: bool = False,
+) -> StepStats:
+    """One optimizer step's norms on one scale, reduced over the DP group (shared by all adapters).
+
+    The hooked microbatch gradients are ``h_k = S g_k / a`` (``S`` the AMP loss scale,
+    ``a = loss_divisor`` the factor each microbatch loss was divided by) and the
+    synced, unscaled ``.grad`` is ``sum_k g_k / (a R)`` over the ``K`` microbatches of
+    all ranks (``R = avg_ranks`` when the sync averages). So
+    ``|g_k|^2 = |h_k|^2 a^2 / S^2`` and ``|mean_k g_k|^2 = |.grad|^2 (R a / K)^2``. ``K``
+    is the number of microbatches really run, so a short window (fewer microbatches
+    than ``a``, Lightning's last window of an epoch) is measured with its real size.
+    One ``all_reduce`` of 7 float64 numbers and one host sync.
+
+    Args:
+        collector: the window's per-microbatch norms (not reset here).
+        big_params: parameters whose ``.grad`` holds the synced, unscaled step gradient.
+        dp_group: the data-parallel group (``None``: world, or no distribution).
+        loss_divisor: ``a``, what each microbatch loss was divided by (1.0: not divided).
+        avg_ranks: ``R``, ranks the gradient sync averages over (1: it sums, or one rank).
+        scale: the AMP loss scale the hooked gradients carry (``None``: none); the big
+            norm must already be unscaled.
+        transform: the collector's gradient transform, applied to ``.grad`` as well.
+        big_norm_is_sharded: every rank's ``.grad`` is a shard (sum the partial norms)
+            rather than a replica (take rank 0's).
+
+    Returns:
+        The reduced :class:`~cbs_tracker.collector.StepStats` (identical on every rank).
+    """
+    big = local_grad_sq_norm(big_params, transform)
+    ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
+    device = cbs_dist.reduction_device(dp_group, ref.device)
+    sums = collector.window_sums(device)
+    small_sum = sums[0]
+    if scale is not None:
+        small_sum = small_sum / scale.to(device).double().square()
+    small_sum = small_sum * float(loss_divisor) ** 2
+    unmeasurable = collector.window_unmeasurable or (big is None and transform is not None)
+    big_val = torch.zeros((), dtype=torch.float64, device=device) if big is None else big.to(device).double()
+    contributes = big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0
+    if not contributes:
+        big_val = torch.zeros_like(big_val)
+    finite = torch.isfinite(small_sum) & torch.isfinite(big_val)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    vec = torch.stack(
+        [
+            torch.where(finite, small_sum, zero),
+            sums[1],
+            sums[2],
+            sums[3],
+            torch.where(finite, big_val, zero),
+            (~finite).double(),
+            torch.tensor(float(unmeasurable), dtype=torch.float64, device=device),
+        ]
+    )
+    vec = cbs_dist.all_reduce_sum(vec, dp_group)
+    small_total, count, inv_sum, units, big_total, nonfinite, unmeas = vec.tolist()  # the step's one host sync
+    k = int(round(count))
+    big_sq = big_total * (avg_ranks * float(loss_divisor) / max(k, 1)) ** 2
+    return StepStats(
+        small_sq_norm=small_total / max(k, 1),
+        big_sq_norm=big_sq,
+        num_microbatches=k,
+        small_batch=(k / inv_sum) if inv_sum > 0 else 0.0,
+        units=units,
+        finite=nonfinite == 0 and unmeas == 0 and math.isfinite(big_sq),
+    )
