@@ -83,6 +83,9 @@ class CBSTracker:
             ``g / (sqrt(v_hat) + eps)`` with the optimizer's second moments.
         estimator: a configured :class:`~cbs_tracker.estimator.NoiseScaleEstimator`.
         logger: anything with ``log(record: StepRecord)``, e.g. ``TensorBoardLogger``.
+        lr_scheduler: the LR scheduler driving ``optimizer``, if any: a learning-rate
+            coupling factor (``lr_scaling`` of the controller) then multiplies what the
+            scheduler sets from then on, instead of being undone by it.
 
     Raises:
         ValueError / TypeError: on bad configuration (message names the argument).
@@ -106,6 +109,7 @@ class CBSTracker:
         preconditioner: Literal["adam"] | None = None,
         estimator: NoiseScaleEstimator | None = None,
         logger: Any | None = None,
+        lr_scheduler: Any | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"CBSTracker(model={type(model).__name__}): expected a torch.nn.Module")
@@ -138,6 +142,7 @@ class CBSTracker:
         self.controller = controller
         self.logger = logger
         self.grad_scaler = grad_scaler
+        self.lr_scheduler = lr_scheduler
         self.loss_divided_by_accumulation = bool(loss_divided_by_accumulation)
         self.dp_group = cbs_dist.resolve_dp_group(process_group, device_mesh, mesh_dim)
         self.dp_degree = cbs_dist.group_size(self.dp_group)
@@ -278,7 +283,7 @@ class CBSTracker:
         if self._pending_lr_factor != 1.0 and self.optimizer is not None:
             from cbs_tracker.controller import apply_lr_factor
 
-            apply_lr_factor(self.optimizer, self._pending_lr_factor)
+            apply_lr_factor(self.optimizer, self._pending_lr_factor, self.lr_scheduler)
         self._pending_lr_factor = 1.0
 
     def step(self) -> StepRecord:
