@@ -1,0 +1,616 @@
+"""BatchSizeController on synthetic noise-scale signals, its state dict, and apply_lr_factor.
+
+The signals are built to look like what the tracker feeds the controller (DESIGN §7):
+a stationary estimate that wanders near a threshold, rare 100-1000x spikes, a rising
+critical batch, and the feedback trap where the measured noise scale is ``10 * B``.
+Expected doubling positions are computed from the documented rule, not from the code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import warnings
+
+import pytest
+
+from cbs_tracker.controller import BatchSizeController, Decision, apply_lr_factor
+
+MICRO = 512  # units per accumulation step (e.g. one 512-token microbatch, one rank)
+
+
+def simulate(ctrl: BatchSizeController, signal, steps: int, *, a0: int = 1, micro: float = MICRO,
+             start_step: int = 1, tokens: float = 0.0, accumulation: int | None = None):
+    """A caller that applies every decision at the next window, as the tracker does.
+
+    ``signal(step, tokens_seen, global_batch)`` returns the noise scale fed at that step.
+    Returns the decisions and the final (step, tokens, accumulation).
+    """
+    acc = a0 if accumulation is None else accumulation
+    decisions: list[Decision] = []
+    step = start_step
+    for step in range(start_step, start_step + steps):
+        batch = micro * acc
+        tokens += batch
+        d = ctrl.update(step=step, tokens_seen=tokens, global_batch=batch, accumulation_steps=acc,
+                        noise_scale=signal(step, tokens, batch))
+        decisions.append(d)
+        acc = d.accumulation_steps
+    return decisions, (step, tokens, acc)
+
+
+def changes(decisions: list[Decision]) -> list[Decision]:
+    return [d for d in decisions if d.changed]
+
+
+# ----------------------------------------------------------------------------- defaults
+def test_defaults_are_documented_values():
+    c = BatchSizeController()
+    assert (c.kappa, c.margin, c.patience, c.window, c.warmup_steps) == (1.0, 0.1, 16, 32, 100)
+    assert c.min_batch is None and c.max_batch is None and c.max_accumulation_steps is None
+    assert c.warmup_tokens is None and c.cooldown_tokens is None
+    assert not c.allow_shrink and not c.observe_only and c.lr_scaling == "keep" and c.feedback_guard
+    assert c.accumulation_steps == 0 and c.start_batch is None
+
+
+def test_decision_is_frozen():
+    d, _ = simulate(BatchSizeController(), lambda *a: None, 1)
+    with pytest.raises(AttributeError):
+        d[0].changed = True  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------- flapping
+@pytest.mark.parametrize("allow_shrink", [False, True])
+@pytest.mark.parametrize("correlated", [False, True])
+def test_stationary_noise_at_the_boundary_does_not_flap(allow_shrink, correlated):
+    # Critical batch exactly at the growth threshold of the 512 start (2 * 512 * 1.1), with
+    # 30% log-normal noise per step, or as a slowly wandering AR(1) with a correlation time
+    # of 50 steps and 15% spread (an EMA output is smoother and correlated). One doubling is
+    # allowed; a second one would need a sustained excursion to 2x the level (4.6 sigma of
+    # the AR(1)), and shrinking back needs 1/2.42 of it: neither may happen.
+    rng = random.Random(1)
+    threshold = 2 * MICRO * 1.1
+    state = {"x": 0.0}
+
+    def signal(step, tokens, batch):
+        if correlated:
+            state["x"] = 0.98 * state["x"] + math.sqrt(1 - 0.98**2) * rng.gauss(0, 0.15)
+            return threshold * math.exp(state["x"])
+        return threshold * math.exp(rng.gauss(0, 0.3))
+
+    ctrl = BatchSizeController(allow_shrink=allow_shrink, feedback_guard=False)
+    decisions, _ = simulate(ctrl, signal, 5000)
+    assert len(changes(decisions)) <= 1
+
+
+def test_flapping_check_can_fail_without_hysteresis():
+    # The same signal with the robustness switched off does flap, so the test above means something.
+    rng = random.Random(1)
+
+    def signal(step, tokens, batch):
+        return 2 * MICRO * math.exp(rng.gauss(0, 0.6))  # stationary, wide
+
+    ctrl = BatchSizeController(allow_shrink=True, margin=0.0, patience=1, window=1, warmup_steps=0,
+                               warmup_tokens=0, cooldown_tokens=0, feedback_guard=False)
+    decisions, _ = simulate(ctrl, signal, 2000)
+    assert len(changes(decisions)) > 20
+
+
+# ------------------------------------------------------------------------------ spikes
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rare_huge_spikes_do_not_double(seed):
+    # A flat critical batch at 1.4x the batch (below the 2.2x growth threshold) with spikes
+    # of 100-1000x on ~1% of the steps, sometimes in bursts of up to 3 consecutive steps.
+    rng = random.Random(seed)
+    burst = {"left": 0}
+
+    def signal(step, tokens, batch):
+        if burst["left"] == 0 and rng.random() < 0.01:
+            burst["left"] = rng.randint(1, 3)
+        if burst["left"]:
+            burst["left"] -= 1
+            return 1.4 * MICRO * 10 ** rng.uniform(2, 3)
+        return 1.4 * MICRO * math.exp(rng.gauss(0, 0.2))
+
+    decisions, _ = simulate(BatchSizeController(), signal, 5000)
+    assert changes(decisions) == []
+    spiked = [d for d in decisions if d.critical_batch is not None and d.critical_batch > 50 * MICRO]
+    assert len(spiked) > 30  # the spikes did reach the controller
+    assert all(d.decision_noise_scale < 3 * MICRO for d in decisions if d.decision_noise_scale)
+
+
+def test_a_plain_threshold_would_double_on_those_spikes():
+    rng = random.Random(0)
+
+    def signal(step, tokens, batch):
+        if step % 500 == 250:
+            return 1000 * MICRO
+        return 1.4 * MICRO * math.exp(rng.gauss(0, 0.2))
+
+    ctrl = BatchSizeController(window=1, patience=1, feedback_guard=False)
+    assert changes(simulate(ctrl, signal, 1000)[0])
+
+
+# ------------------------------------------------------------------------------ rising
+def test_rising_estimate_doubles_at_the_expected_tokens():
+    # critical batch = tokens / 100: the rule "grow B -> 2B when critical >= 2.2 B" crosses
+    # at z_i = 100 * 2.2 * B_i. The median of the last 32 values lags 16 steps and patience
+    # adds 16 more, so each doubling lands within (16 + 16 + 2) steps after the crossing.
+    def signal(step, tokens, batch):
+        return tokens / 100.0
+
+    ctrl = BatchSizeController(max_accumulation_steps=16)
+    decisions, _ = simulate(ctrl, signal, 6000)
+    grown = changes(decisions)
+    assert [d.accumulation_steps for d in grown] == [2, 4, 8, 16]
+    tokens_at = {}
+    acc, tokens = 1, 0.0
+    for d in decisions:
+        tokens += MICRO * acc
+        if d.changed:
+            tokens_at[d.accumulation_steps] = tokens
+        acc = d.accumulation_steps
+    for new_acc, z in tokens_at.items():
+        old_batch = MICRO * new_acc / 2
+        crossing = 100 * 2.2 * old_batch
+        assert crossing <= z <= crossing + 34 * old_batch, (new_acc, z, crossing)
+    assert all(d.lr_factor == 1.0 for d in decisions)  # keep
+    assert not ctrl.feedback_trap
+    # capped: no fifth doubling, and the reason says why
+    assert decisions[-1].accumulation_steps == 16 and "max_accumulation_steps" in decisions[-1].reason
+
+
+def test_noisy_gpt_like_rise_then_plateau_reaches_the_plateau_batch():
+    # Issue 7's small GPT: B_simple ~1.2k tokens at 0.25M, ~3k at 0.5M, then ~2.5k (2-3.3k)
+    # to 5M tokens. From 512 the controller should reach 2048 (<= 2.5k / 1.1), no further,
+    # and must not mistake the early rise for the feedback trap.
+    rng = random.Random(3)
+
+    def signal(step, tokens, batch):
+        base = 2500.0 if tokens > 0.5e6 else 3000.0 * (tokens / 0.5e6) ** 1.3
+        return max(base, 50.0) * math.exp(rng.gauss(0, 0.15))
+
+    ctrl = BatchSizeController()
+    decisions, (_, tokens, acc) = simulate(ctrl, signal, 3000)
+    assert tokens > 5e6 and acc == 4
+    assert [d.accumulation_steps for d in changes(decisions)] == [2, 4]
+    acc, tokens, z_last = 1, 0.0, None
+    for d in decisions:
+        tokens += MICRO * acc
+        if d.changed:
+            z_last = tokens
+        acc = d.accumulation_steps
+    assert z_last < 0.6e6  # both early, while the critical batch rises
+    assert not ctrl.feedback_trap
+
+
+# ------------------------------------------------------------------- bounds and timing
+def test_warmup_blocks_decisions_until_steps_and_tokens():
+    # a huge constant target: the first change waits for both warm-up conditions
+    ctrl = BatchSizeController(warmup_steps=50, warmup_tokens=300 * MICRO, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e6, 400)
+    first = changes(decisions)[0]
+    assert first.step == 300  # tokens condition is the later one (300 steps of 512)
+    assert all(d.reason == "warm-up" for d in decisions[32:299])
+
+    ctrl = BatchSizeController(warmup_steps=200, warmup_tokens=10 * MICRO, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e6, 400)
+    assert changes(decisions)[0].step == 200  # steps condition is the later one
+
+
+def test_default_warmup_is_100_starting_batches():
+    ctrl = BatchSizeController(warmup_steps=0, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e6, 200, a0=2)  # start batch 1024
+    assert changes(decisions)[0].step == 100
+
+
+def test_cooldown_between_changes():
+    # constant huge target: changes are spaced by exactly the cool-down once it binds
+    ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0, cooldown_tokens=200 * MICRO,
+                               feedback_guard=False, max_accumulation_steps=1 << 12)
+    decisions, _ = simulate(ctrl, lambda *a: 1e9, 400)
+    acc, tokens, zs = 1, 0.0, []
+    for d in decisions:
+        tokens += MICRO * acc
+        if d.changed:
+            zs.append(tokens)
+        acc = d.accumulation_steps
+    gaps = [b - a for a, b in zip(zs, zs[1:])]
+    assert len(zs) >= 4
+    # the window of 32 measurements refills after each change: below 200 * 512 / 32 units per
+    # step the cool-down sets the gap, above it the refill does (both cases occur here)
+    for i, gap in enumerate(gaps):
+        new_batch = MICRO * 2 ** (i + 1)
+        assert gap >= max(200 * MICRO, 32 * new_batch), (i, gap)
+        assert gap <= max(200 * MICRO, 32 * new_batch) + 2 * new_batch, (i, gap)
+
+
+def test_default_cooldown_is_100_new_batches():
+    ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e9, 400)
+    steps = [d.step for d in changes(decisions)]
+    # first change once the window is full (32); the new batch runs from the next step on,
+    # and 100 steps of it (the cool-down) end at the step of the next change
+    assert steps[:3] == [32, 132, 232]
+
+
+def test_max_batch_and_accumulation_cap_hold():
+    ctrl = BatchSizeController(max_batch=4 * MICRO, warmup_steps=0, warmup_tokens=0,
+                               cooldown_tokens=0, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e9, 500)
+    assert max(d.accumulation_steps for d in decisions) == 4
+    assert all(d.critical_batch == 4 * MICRO for d in decisions)
+    assert "max_batch" in decisions[-1].reason
+
+    ctrl = BatchSizeController(max_accumulation_steps=8, warmup_steps=0, warmup_tokens=0,
+                               cooldown_tokens=0, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e9, 500, a0=2)
+    assert max(d.accumulation_steps for d in decisions) == 8
+    assert all(d.accumulation_steps in (2, 4, 8) for d in decisions)  # A0 * 2**e
+
+
+def test_default_accumulation_cap_is_256_a0():
+    ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0, cooldown_tokens=0, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e12, 2000, a0=3)
+    assert max(d.accumulation_steps for d in decisions) == 3 * 256
+
+
+def test_shrink_only_when_enabled_well_below_and_not_below_min_batch():
+    def signal(step, tokens, batch):
+        return 0.2 * MICRO  # well below every batch
+
+    ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0, cooldown_tokens=0)
+    assert changes(simulate(ctrl, signal, 500, a0=8)[0]) == []
+
+    ctrl = BatchSizeController(allow_shrink=True, min_batch=2 * MICRO, warmup_steps=0,
+                               warmup_tokens=0, cooldown_tokens=0, lr_scaling="sqrt")
+    decisions, _ = simulate(ctrl, signal, 500, a0=8)
+    shrunk = changes(decisions)
+    assert [d.accumulation_steps for d in shrunk] == [4, 2]
+    assert all(d.lr_factor == pytest.approx(math.sqrt(0.5)) for d in shrunk)
+    assert "min_batch" in decisions[-1].reason or decisions[-1].reason == "hold"
+    # the critical batch is clipped to min_batch: 0.2 * 512 -> 1024
+    assert decisions[-1].critical_batch == 2 * MICRO
+
+
+def test_shrink_needs_the_target_well_below():
+    # at 0.3 B (above B / 2.2 = 0.4545 B? no: 0.3 < 0.4545) it shrinks; at 0.5 B it holds
+    for frac, expect in ((0.5, []), (0.47, []), (0.44, [4])):
+        ctrl = BatchSizeController(allow_shrink=True, warmup_steps=0, warmup_tokens=0,
+                                   cooldown_tokens=1e12)
+        decisions, _ = simulate(ctrl, lambda *a, f=frac: f * 8 * MICRO, 300, a0=8)
+        assert [d.accumulation_steps for d in changes(decisions)] == expect, frac
+
+
+def test_observe_only_changes_nothing():
+    ctrl = BatchSizeController(observe_only=True, kappa=2.0, max_batch=1e5)
+    decisions, _ = simulate(ctrl, lambda step, *a: 100.0 * step, 3000)
+    assert changes(decisions) == []
+    assert all(d.accumulation_steps == 1 and d.reason == "observe-only" for d in decisions)
+    assert decisions[100].critical_batch == pytest.approx(2 * 100.0 * 101)
+    assert decisions[-1].critical_batch == 1e5
+
+
+@pytest.mark.parametrize("scaling,factor", [("keep", 1.0), ("sqrt", math.sqrt(2)), ("linear", 2.0)])
+def test_lr_factor_of_a_doubling(scaling, factor):
+    ctrl = BatchSizeController(lr_scaling=scaling, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda *a: 1e9, 200)
+    grown = changes(decisions)
+    assert grown and all(d.lr_factor == pytest.approx(factor) for d in grown)
+    assert all(d.lr_factor == 1.0 for d in decisions if not d.changed)
+
+
+def test_a_decision_waits_until_the_caller_applies_it():
+    # A caller (e.g. Lightning's safe rule) applies the new accumulation 3 steps late: the
+    # controller holds ("pending") and its cool-down counts from the real switch.
+    ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0, feedback_guard=False)
+    acc, tokens, queue, seen = 1, 0.0, [], []
+    for step in range(1, 300):
+        tokens += MICRO * acc
+        d = ctrl.update(step=step, tokens_seen=tokens, global_batch=MICRO * acc,
+                        accumulation_steps=acc, noise_scale=1e9)
+        seen.append(d)
+        if d.changed:
+            queue.append((step + 3, d.accumulation_steps))
+        if queue and queue[0][0] == step:
+            acc = queue.pop(0)[1]
+    first, second = [d.step for d in seen if d.changed][:2]
+    assert first == 32
+    assert all(d.reason.startswith("pending") for d in seen[first:first + 3])
+    assert second == first + 3 + 100  # cool-down of 100 new batches from the switch
+
+
+def test_missing_measurements_do_not_count():
+    # noise scale only every other step: patience and the window count measurements
+    ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0, feedback_guard=False)
+    decisions, _ = simulate(ctrl, lambda step, *a: 1e9 if step % 2 else None, 200)
+    assert changes(decisions)[0].step == 63  # 32nd measurement
+    nan_ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0, feedback_guard=False)
+    decisions, _ = simulate(nan_ctrl, lambda step, *a: 1e9 if step % 2 else float("nan"), 200)
+    assert changes(decisions)[0].step == 63
+
+
+# --------------------------------------------------------------------- feedback trap
+def test_feedback_trap_noise_scale_following_the_batch_does_not_run_away():
+    # the seed's NQM near its noise floor: B_simple = 10 * B (plus noise)
+    rng = random.Random(0)
+
+    def signal(step, tokens, batch):
+        return 10.0 * batch * math.exp(rng.gauss(0, 0.1))
+
+    ctrl = BatchSizeController()
+    with pytest.warns(RuntimeWarning, match="follows the batch"):
+        decisions, (_, _, acc) = simulate(ctrl, signal, 20000)
+    assert acc == 2  # one doubling to find out, then growth stops
+    assert ctrl.feedback_trap and decisions[-1].feedback_trap
+    assert "feedback trap" in decisions[-1].reason
+
+
+def test_feedback_trap_warns_once():
+    ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 3000)
+    assert len([w for w in caught if "follows the batch" in str(w.message)]) == 1
+
+
+def test_without_the_guard_the_trap_runs_to_the_cap():
+    ctrl = BatchSizeController(feedback_guard=False)
+    _, (_, _, acc) = simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 20000)
+    assert acc == 256
+
+
+def test_landscape_noise_scale_above_the_batch_is_not_mistaken_for_the_trap():
+    # a flat critical batch of 20 * 512: grow 512 -> ... -> 8192 (<= 10240 / 1.1); the
+    # noise scale does not move at a doubling, so the guard stays quiet
+    rng = random.Random(5)
+    ctrl = BatchSizeController()
+    decisions, (_, _, acc) = simulate(ctrl, lambda *a: 20 * MICRO * math.exp(rng.gauss(0, 0.2)), 3000)
+    assert acc == 16 and not ctrl.feedback_trap
+
+
+def test_trap_after_a_landscape_phase():
+    # The noise scale first describes the landscape (flat at 5 * 512: grow to 4 * 512), then
+    # from 1M tokens on follows the batch. The doubling that straddles the switch sees a steep
+    # "trend" before it and passes; the next one is measured on a flat trend and trips, so the
+    # run stops at most two doublings past the landscape's batch.
+    def signal(step, tokens, batch):
+        return 5 * MICRO if tokens < 1e6 else 10.0 * batch
+
+    ctrl = BatchSizeController()
+    with pytest.warns(RuntimeWarning):
+        decisions, (_, _, acc) = simulate(ctrl, signal, 20000)
+    assert ctrl.feedback_trap
+    assert [d.accumulation_steps for d in changes(decisions)] == [2, 4, 8, 16]
+
+
+# ------------------------------------------------------------------------- state dict
+def _noisy_rise(seed):
+    rng = random.Random(seed)
+
+    def signal(step, tokens, batch):
+        return (200.0 + tokens / 150.0) * math.exp(rng.gauss(0, 0.25))
+    return signal
+
+
+@pytest.mark.parametrize("split", [150, 333, 1200])
+def test_resume_from_state_dict_takes_the_same_decisions(split):
+    kwargs = dict(allow_shrink=True, lr_scaling="sqrt", max_batch=64 * MICRO)
+    # uninterrupted
+    full, _ = simulate(BatchSizeController(**kwargs), _noisy_rise(7), 3000)
+    # interrupted at `split`, state through JSON (plain numbers only), new object
+    first = BatchSizeController(**kwargs)
+    sig = _noisy_rise(7)
+    part1, (step, tokens, acc) = simulate(first, sig, split)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = BatchSizeController(**kwargs)
+    resumed.load_state_dict(state)
+    part2, _ = simulate(resumed, sig, 3000 - split, start_step=step + 1, tokens=tokens, accumulation=acc)
+    assert part1 + part2 == full
+    assert len(changes(full)) >= 3
+
+
+def test_state_dict_has_fixed_plain_keys():
+    ctrl = BatchSizeController()
+    simulate(ctrl, _noisy_rise(0), 50)
+    state = ctrl.state_dict()
+    assert state["version"] == 1
+    assert set(state) == set(BatchSizeController().state_dict())
+    for key, value in state.items():
+        if key == "recent_noise_scales":
+            assert all(isinstance(v, float) for v in value)
+        else:
+            assert isinstance(value, (int, float)) and not isinstance(value, bool), key
+
+
+def test_load_state_dict_strict_on_required_tolerant_of_new_optional_keys():
+    ctrl = BatchSizeController()
+    simulate(ctrl, _noisy_rise(0), 50)
+    state = ctrl.state_dict()
+    state["some_future_key"] = 3.0
+    BatchSizeController().load_state_dict(state)
+    for key in ("trap_slope", "anchor_ns", "warned_trap"):  # optional: defaults apply
+        partial = dict(state)
+        del partial[key]
+        BatchSizeController().load_state_dict(partial)
+    del state["exponent"]
+    with pytest.raises(KeyError, match=r"missing required keys \['exponent'\]"):
+        BatchSizeController().load_state_dict(state)
+    with pytest.raises(ValueError, match="state version 99 is newer"):
+        BatchSizeController().load_state_dict({**ctrl.state_dict(), "version": 99})
+    with pytest.raises(TypeError, match="expected a mapping"):
+        BatchSizeController().load_state_dict([1, 2])  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------- configuration
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"kappa": 0}, ValueError, r"kappa=0\): must be finite and > 0"),
+        ({"kappa": float("inf")}, ValueError, r"kappa=inf\): must be finite"),
+        ({"kappa": "1"}, TypeError, r"kappa='1'\): expected a number"),
+        ({"min_batch": -1}, ValueError, r"min_batch=-1\): must be finite and > 0"),
+        ({"max_batch": 0}, ValueError, r"max_batch=0\): must be finite and > 0"),
+        ({"min_batch": 4096, "max_batch": 1024}, ValueError, r"min_batch must be <= max_batch"),
+        ({"margin": -0.1}, ValueError, r"margin=-0.1\): must be finite and >= 0"),
+        ({"patience": 0}, ValueError, r"patience=0\): must be finite and > 0"),
+        ({"patience": 2.5}, TypeError, r"patience=2.5\): expected an int"),
+        ({"window": 0}, ValueError, r"window=0\)"),
+        ({"warmup_steps": -1}, ValueError, r"warmup_steps=-1\)"),
+        ({"warmup_tokens": -5.0}, ValueError, r"warmup_tokens=-5.0\)"),
+        ({"cooldown_tokens": float("nan")}, ValueError, r"cooldown_tokens=nan\)"),
+        ({"max_accumulation_steps": 0}, ValueError, r"max_accumulation_steps=0\)"),
+        ({"max_accumulation_steps": 8.0}, TypeError, r"max_accumulation_steps=8.0\): expected an int"),
+        ({"allow_shrink": 1}, TypeError, r"allow_shrink=1\): expected a bool"),
+        ({"observe_only": "yes"}, TypeError, r"observe_only='yes'\): expected a bool"),
+        ({"feedback_guard": None}, TypeError, r"feedback_guard=None\): expected a bool"),
+        ({"lr_scaling": "cubic"}, ValueError, r"lr_scaling='cubic'\): expected one of \['keep', 'sqrt', 'linear'\]"),
+        ({"feedback_ratio": 1.0}, ValueError, r"feedback_ratio=1.0\): must be > 1"),
+        ({"patience": True}, TypeError, r"patience=True\): expected an int"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        BatchSizeController(**kwargs)
+
+
+def test_positional_arguments_are_refused():
+    with pytest.raises(TypeError):
+        BatchSizeController(1.0)  # type: ignore[misc]
+
+
+def _update(ctrl, **over):
+    args = dict(step=1, tokens_seen=512.0, global_batch=512.0, accumulation_steps=1, noise_scale=None)
+    args.update(over)
+    return ctrl.update(**args)
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        ({"step": 1.0}, TypeError, r"update\(step=1.0\): expected an int"),
+        ({"accumulation_steps": 0}, ValueError, r"accumulation_steps=0\): must be >= 1"),
+        ({"accumulation_steps": 2.0}, TypeError, r"accumulation_steps=2.0\): expected an int"),
+        ({"global_batch": 0.0}, ValueError, r"global_batch=0.0\): must be finite and > 0"),
+        ({"global_batch": "512"}, TypeError, r"global_batch='512'\): expected a number"),
+        ({"tokens_seen": -1.0}, ValueError, r"tokens_seen=-1.0\): must be finite and >= 0"),
+        ({"noise_scale": "big"}, TypeError, r"noise_scale='big'\): expected a number or None"),
+    ],
+)
+def test_bad_update_arguments_are_refused(over, exc, match):
+    with pytest.raises(exc, match=match):
+        _update(BatchSizeController(), **over)
+
+
+def test_update_order_errors():
+    ctrl = BatchSizeController()
+    _update(ctrl, step=5, tokens_seen=1000.0)
+    with pytest.raises(RuntimeError, match=r"update\(step=5\): steps must increase \(last was 5\)"):
+        _update(ctrl, step=5, tokens_seen=2000.0)
+    with pytest.raises(RuntimeError, match=r"tokens_seen=10.0\): tokens_seen went back"):
+        _update(ctrl, step=6, tokens_seen=10.0)
+
+
+def test_start_outside_the_caps_is_refused():
+    with pytest.raises(ValueError, match="starting accumulation_steps=16 exceeds max_accumulation_steps=8"):
+        _update(BatchSizeController(max_accumulation_steps=8), accumulation_steps=16, global_batch=8192.0)
+    with pytest.raises(ValueError, match="starting global_batch=512 exceeds max_batch=256"):
+        _update(BatchSizeController(max_batch=256))
+
+
+# ------------------------------------------------------------------- apply_lr_factor
+class _FakeOpt:
+    def __init__(self):
+        self.param_groups = [{"lr": 0.1}, {"lr": 0.2, "initial_lr": 0.2}]
+
+
+def test_apply_lr_factor_plain_groups():
+    opt = _FakeOpt()
+    apply_lr_factor(opt, 2.0)
+    assert opt.param_groups == [{"lr": 0.2}, {"lr": 0.4, "initial_lr": 0.4}]
+    apply_lr_factor(opt, 1.0)
+    assert opt.param_groups[0]["lr"] == 0.2
+
+
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        ((object(), 2.0), TypeError, r"apply_lr_factor\(optimizer=object\): expected an object with param_groups"),
+        ((_FakeOpt(), 0.0), ValueError, r"apply_lr_factor\(factor=0.0\): must be finite and > 0"),
+        ((_FakeOpt(), float("inf")), ValueError, r"factor=inf"),
+        ((_FakeOpt(), "2"), TypeError, r"apply_lr_factor\(factor='2'\): expected a number"),
+    ],
+)
+def test_apply_lr_factor_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        apply_lr_factor(*args)
+
+
+def _schedulers(torch):
+    sched = torch.optim.lr_scheduler
+    return {
+        "lambda": lambda o: sched.LambdaLR(o, lambda t: 1.0 / (1.0 + 0.1 * t)),
+        "cosine_eta_min": lambda o: sched.CosineAnnealingLR(o, T_max=30, eta_min=0.01),
+        "step": lambda o: sched.StepLR(o, step_size=7, gamma=0.5),
+        "sequential": lambda o: sched.SequentialLR(
+            o, [sched.LinearLR(o, start_factor=0.1, total_iters=10), sched.CosineAnnealingLR(o, T_max=30, eta_min=0.005)],
+            milestones=[10]),
+        "onecycle": lambda o: sched.OneCycleLR(o, max_lr=0.5, total_steps=40),
+    }
+
+
+@pytest.mark.parametrize("name", ["lambda", "cosine_eta_min", "step", "sequential", "onecycle"])
+@pytest.mark.parametrize("at", [5, 17])
+def test_apply_lr_factor_multiplies_what_a_real_torch_scheduler_sets(name, at):
+    torch = pytest.importorskip("torch")
+    factor = 2.0
+
+    def run(apply_at):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD([{"params": [model.weight], "lr": 0.1},
+                               {"params": [model.bias], "lr": 0.3}], lr=0.1)
+        sched = _schedulers(torch)[name](opt)
+        lrs = []
+        for t in range(35):
+            if t == apply_at:
+                apply_lr_factor(opt, factor, sched)
+            lrs.append([g["lr"] for g in opt.param_groups])
+            opt.step()
+            sched.step()
+        assert sched.get_last_lr() == [g["lr"] for g in opt.param_groups]
+        return lrs
+
+    ref, got = run(-1), run(at)
+    for t in range(35):
+        want = [lr * (factor if t >= at else 1.0) for lr in ref[t]]
+        assert got[t] == pytest.approx(want, rel=1e-9, abs=0.0), (name, t)
+
+
+def test_without_the_scheduler_a_closed_form_scheduler_undoes_the_factor():
+    # documents why apply_lr_factor takes the scheduler: LambdaLR recomputes from base_lrs
+    torch = pytest.importorskip("torch")
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+    apply_lr_factor(opt, 2.0)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_apply_lr_factor_tensor_lr_scaled_in_place_once():
+    torch = pytest.importorskip("torch")
+    lr = torch.tensor(0.1)
+    opt = type("O", (), {})()
+    opt.param_groups = [{"lr": lr, "initial_lr": lr}]
+    apply_lr_factor(opt, 3.0)
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.3)
+
+
+def test_controller_module_does_not_import_torch():
+    import subprocess
+
+    code = "import sys, cbs_tracker.controller; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
