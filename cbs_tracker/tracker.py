@@ -299,18 +299,27 @@ class CBSTracker:
             The step's :class:`~cbs_tracker.record.StepRecord`.
 
         Raises:
-            RuntimeError: no microbatch was run since the last step.
+            RuntimeError: no microbatch was run since the last step (with several DP
+                ranks: on no rank; every rank raises it together, after the all_reduce).
         """
         if self._in_microbatch:
             raise RuntimeError("CBSTracker.step(): called inside tracker.microbatch()")
+        no_microbatch = (
+            "CBSTracker.step(): no microbatch since the last step; wrap each forward/backward "
+            "in `with tracker.microbatch(...)`"
+        )
         if self.collector.num_microbatches == 0:
-            raise RuntimeError(
-                "CBSTracker.step(): no microbatch since the last step; wrap each forward/backward "
-                "in `with tracker.microbatch(...)`"
-            )
+            if self.dp_degree == 1:
+                raise RuntimeError(no_microbatch)
+            # This rank's data ran out: the other ranks already wait in this step's
+            # all_reduce, so take part with zero counts (raising here would hang them).
+            # Begin the empty window like the others did (same loss divisor, same LR factor).
+            self._begin_window()
         scale = self._unscale_and_get_scale()
         stats = self._reduce_window(scale)
         self.collector.reset_window()
+        if stats.num_microbatches == 0:
+            raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
         window_steps = self._accumulation_steps
         self._window_index = 0
         self._step += 1
