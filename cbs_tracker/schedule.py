@@ -791,24 +791,37 @@ class DoublingPlan:
 
 
 def _staircase(batches: tuple[float, ...], switch_tokens: tuple[float, ...], budget: float) -> np.ndarray:
-    parts = []
+    """Per-step batches: ``batches[j]`` from the first step with ``switch_tokens[j-1]`` consumed.
+
+    The budget is met exactly by the last stage: its ``n = round(rest / B)``
+    steps share what is left (``rest / n`` each, within ``B/(2n)`` of ``B``),
+    rather than a lone small last step, which would carry the largest noise
+    weight ``K(0)`` of the run.
+    """
+    parts: list[np.ndarray] = []
     tokens = 0.0
-    edges = list(switch_tokens) + [budget]
+    edges = list(switch_tokens[: len(batches) - 1]) + [budget]
     for b, end in zip(batches, edges, strict=True):
         if tokens >= end:
             continue
-        n = int(math.ceil((end - tokens) / b - 1e-12))
-        if end >= budget:
-            n_full = int(math.floor((budget - tokens) / b + 1e-12))
-            parts.append(np.full(n_full, b))
-            tokens += n_full * b
-            rest = budget - tokens
-            if rest > 1e-9 * b:
-                parts.append(np.array([rest]))
-                tokens = budget
-            break
-        parts.append(np.full(n, b))
-        tokens += n * b
+        if end < budget:
+            n = int(math.ceil((end - tokens) / b - 1e-12))
+            parts.append(np.full(n, b))
+            tokens += n * b
+            if tokens < budget * (1 - 1e-12):
+                continue
+        rest = budget - sum(float(p.sum()) for p in parts)
+        if parts and parts[-1][0] == b:
+            rest += float(parts.pop().sum())
+        n = int(round(rest / b))
+        if n >= 1:
+            parts.append(np.full(n, rest / n))
+        elif parts:
+            prev = parts.pop()
+            parts.append(np.full(prev.size, (float(prev.sum()) + rest) / prev.size))
+        elif rest > 0:
+            parts.append(np.array([rest]))
+        break
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
@@ -884,6 +897,7 @@ def doubling_plan_from_batches(
     *,
     factor: float = 2.0,
     switch_at: SwitchRule = "geometric_mean",
+    budget: float | None = None,
 ) -> DoublingPlan:
     """The same discretisation for any non-decreasing per-step optimum (e.g. the NQM's exact one).
 
@@ -893,6 +907,8 @@ def doubling_plan_from_batches(
         b_max: rungs stop at ``b_max``.
         factor: ratio of consecutive rungs.
         switch_at: see :func:`doubling_plan`.
+        budget: the budget to spend (default ``sum(batches)``; pass the exact
+            number to avoid the rounding of the sum).
     """
     b = np.asarray(batches, dtype=np.float64)
     if b.ndim != 1 or b.size == 0 or np.any(np.diff(b) < -1e-9 * b[1:]):
@@ -905,7 +921,8 @@ def doubling_plan_from_batches(
         idx = int(np.searchsorted(b, th * (1 - 1e-12), side="left"))  # 0-based first index >= th
         firsts.append(idx + 1)
         tokens.append(float(cum[idx]))
-    return _make_plan(float(cum[-1]), rungs, firsts, tokens, b.size, factor, switch_at)
+    total = float(cum[-1]) if budget is None else _check_positive("budget", budget)
+    return _make_plan(total, rungs, firsts, tokens, b.size, factor, switch_at)
 
 
 def plan_doubling(
@@ -918,6 +935,7 @@ def plan_doubling(
     reference_batch: float | None = None,
     floor_ratio: float = 0.5,
     steps: int | None = None,
+    law: ScalingLaw | None = None,
     factor: float = 2.0,
     switch_at: SwitchRule = "geometric_mean",
 ) -> DoublingPlan:
@@ -931,7 +949,9 @@ def plan_doubling(
     The exponents fix the *shape*; the one scale the FSL leaves free (``C/A``,
     hence ``T`` and where the ramp starts) comes from, in this order:
 
-    1. ``steps``: use this ``T``;
+    0. ``law``: a :class:`ScalingLaw` fitted elsewhere (e.g. to the run's own
+       loss curve); its ``s`` and ``beta`` must equal the arguments;
+    1. ``steps``: use this ``T`` (with the law of 2. or 3. for nothing else);
     2. ``reference_batch``: the best constant batch at this budget (a sweep's
        winner, or a measured critical batch that no longer follows the batch):
        :meth:`ScalingLaw.from_reference_batch`;
@@ -948,11 +968,17 @@ def plan_doubling(
         reference_batch: see above.
         floor_ratio: see above.
         steps: see above.
+        law: see above.
         factor: ratio of consecutive rungs (2 for doubling).
         switch_at: ``"geometric_mean"`` or ``"reach"`` (:func:`doubling_plan`).
     """
     d, lo, hi = _check_bounds(budget, b_min, b_max)
-    if reference_batch is not None:
+    if law is not None:
+        if not isinstance(law, ScalingLaw):
+            raise TypeError(f"law={law!r} has type {type(law).__name__}; expected ScalingLaw or None")
+        if (law.s, law.beta) != (float(s), float(beta)):
+            raise ValueError(f"law has s={law.s!r}, beta={law.beta!r} but plan_doubling got s={s!r}, beta={beta!r}")
+    elif reference_batch is not None:
         law = ScalingLaw.from_reference_batch(s=s, beta=beta, reference_batch=reference_batch, budget=d)
     else:
         law = ScalingLaw.from_noise_floor(s=s, beta=beta, b_min=lo, floor_ratio=floor_ratio)
