@@ -27,6 +27,7 @@ at all (plain sum over microbatches).
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -113,6 +114,12 @@ class CBSTracker:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"CBSTracker(model={type(model).__name__}): expected a torch.nn.Module")
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # imported iff the user may have called fully_shard
+        if not self.big_norm_is_sharded and fsdp is not None and isinstance(model, fsdp.FSDPModule):
+            raise TypeError(
+                f"CBSTracker(model={type(model).__name__}): an FSDP2 (fully_shard) model needs "
+                "cbs_tracker.integrations.fsdp.FSDPTracker (the sharded parameters' hooks never fire)"
+            )
         if optimizer is not None and not hasattr(optimizer, "param_groups"):
             raise TypeError(
                 f"CBSTracker(optimizer={type(optimizer).__name__}): expected a torch.optim.Optimizer or None"
