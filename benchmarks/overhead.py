@@ -1,0 +1,168 @@
+"""What the tracker costs: step time and peak memory with and without it, side by side.
+
+The same model, data and optimizer run optimizer steps alternately without the
+tracker and with it (observe-only: hooks, the big norm, the reduction, the
+estimator), interleaved in one process so machine noise hits both alike; the
+median step-time ratio is printed. Peak memory is measured in two fresh child
+processes (one per variant) as the peak resident set size (CPU) or
+``torch.cuda.max_memory_allocated`` (CUDA), and compared with the size of one
+full copy of the gradients.
+
+    python benchmarks/overhead.py            # ~10.8M-parameter GPT, 2,048 tokens per microbatch
+    python benchmarks/overhead.py --json     # last line: {"step_time_ratio": ..., "peak_memory_ratio": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from cbs_tracker import BatchSizeController, CBSTracker
+from cbs_tracker.corpus import SequenceStream, load_corpus
+from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+
+
+def _setup(args):
+    torch.manual_seed(0)
+    config = GPTConfig.preset(args.preset, context_length=args.seq_len)
+    model = GPT(config).to(args.device)
+    optimizer = make_adamw(model, lr=1e-3, weight_decay=0.1)
+    corpus = load_corpus(max_bytes=4_000_000)
+    stream = SequenceStream(corpus.train, seq_len=args.seq_len, seed=0)
+    return model, optimizer, stream
+
+
+def _step(model, optimizer, stream, args, tracker=None):
+    """One optimizer step of ``args.accumulation`` microbatches; returns seconds."""
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.accumulation):
+        x, y = stream.next_batch(args.micro_sequences)
+        x, y = x.to(args.device), y.to(args.device)
+        ctx = tracker.microbatch(labels=y) if tracker is not None else _null()
+        with ctx:
+            _, loss = model(x, y)
+            (loss / args.accumulation).backward()
+    if tracker is not None:
+        tracker.step()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _make_tracker(model, optimizer, args):
+    return CBSTracker(
+        model,
+        optimizer,
+        accumulation_steps=args.accumulation,
+        controller=BatchSizeController(observe_only=True),
+    )
+
+
+def _memory_child(args) -> int:
+    """Run a few steps in this fresh process and print the peak memory in bytes."""
+    model, optimizer, stream = _setup(args)
+    tracker = _make_tracker(model, optimizer, args) if args.child == "tracker" else None
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.memory_steps):
+        _step(model, optimizer, stream, args, tracker)
+    if args.device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    print(peak)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="10m", help="GPT preset (default '10m', ~10.8M parameters)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-sequences", type=int, default=8, help="sequences per microbatch (8 x 256 = 2,048 tokens)")
+    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (each: steps without, steps with)")
+    p.add_argument("--steps-per-round", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each variant first")
+    p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print a JSON object as the last line")
+    p.add_argument("--child", choices=["plain", "tracker"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        return _memory_child(args)
+
+    model, optimizer, stream = _setup(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens = args.micro_sequences * args.seq_len
+    print(f"model: {n_params / 1e6:.1f}M parameters, microbatch {tokens} tokens, accumulation {args.accumulation}, "
+          f"{args.threads} thread(s), device {args.device}")
+    plain_times: list[float] = []
+    tracked_times: list[float] = []
+    tracker = _make_tracker(model, optimizer, args)
+    tracker.remove_hooks()
+    for _ in range(args.warmup):
+        _step(model, optimizer, stream, args)
+    for r in range(args.rounds + 1):
+        # alternate the order inside a round, so drift does not favour one side
+        order = ("plain", "tracker") if r % 2 == 0 else ("tracker", "plain")
+        for variant in order:
+            if variant == "tracker":
+                tracker._register_hooks()
+            for _ in range(args.steps_per_round):
+                t = _step(model, optimizer, stream, args, tracker if variant == "tracker" else None)
+                if r > 0:  # round 0 warms the tracker's path up
+                    (tracked_times if variant == "tracker" else plain_times).append(t)
+            if variant == "tracker":
+                tracker.remove_hooks()
+    med_plain = statistics.median(plain_times)
+    med_tracked = statistics.median(tracked_times)
+    ratio = med_tracked / med_plain
+    print(f"step time: without {med_plain * 1e3:.1f} ms, with tracker {med_tracked * 1e3:.1f} ms "
+          f"(median of {len(plain_times)} each), ratio {ratio:.4f}")
+
+    peaks = {}
+    for variant in ("plain", "tracker"):
+        cmd = [sys.executable, __file__, "--child", variant, *_forward(args)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        peaks[variant] = int(out)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    mem_ratio = peaks["tracker"] / peaks["plain"]
+    extra = peaks["tracker"] - peaks["plain"]
+    print(f"peak memory: without {peaks['plain'] / 2**20:.0f} MiB, with tracker {peaks['tracker'] / 2**20:.0f} MiB, "
+          f"ratio {mem_ratio:.4f}; difference {extra / 2**20:+.1f} MiB vs one gradient copy {grad_bytes / 2**20:.1f} MiB")
+    if args.json:
+        print(json.dumps({"step_time_ratio": round(ratio, 4), "peak_memory_ratio": round(mem_ratio, 4),
+                          "extra_memory_mib": round(extra / 2**20, 1), "gradient_copy_mib": round(grad_bytes / 2**20, 1)}))
+    return 0
+
+
+def _forward(args) -> list[str]:
+    return ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-sequences", str(args.micro_sequences),
+            "--accumulation", str(args.accumulation), "--memory-steps", str(args.memory_steps),
+            "--threads", str(args.threads), "--device", args.device]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
