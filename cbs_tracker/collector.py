@@ -3,13 +3,13 @@
 ``param.register_hook`` fires once per backward with that microbatch's **local**
 gradient, before it is added into ``.grad`` and before DDP's all-reduce (also
 on the synchronising microbatch). The hook reduces each parameter's gradient
-to one float32 norm on the gradient's device; the norms of one microbatch are
+to one float32 norm (float64 for float64 gradients) on the gradient's device; the norms of one microbatch are
 combined by one ``stack().square().sum()`` when the microbatch ends. Nothing
 is copied to the host here: the per-step numbers stay on the device until the
 tracker reduces them across ranks and reads them once per optimizer step.
 
-Shapes and scales: every tensor this module returns is a 0-d float32 tensor on
-the gradient device, still carrying whatever factor the loss had (``1/A``
+Shapes and scales: every tensor this module returns is a 0-d float32 tensor
+(float64 when gradients are float64) on the gradient device, still carrying whatever factor the loss had (``1/A``
 division, AMP loss scale); the tracker removes those factors.
 """
 
@@ -138,7 +138,7 @@ class GradStatsCollector:
             if g is None:
                 self._skipped = True
                 return
-            self._partials.append(torch.linalg.vector_norm(g, dtype=torch.float32))
+            self._partials.append(torch.linalg.vector_norm(g, dtype=_norm_dtype(g.dtype)))
 
         return fn
 
@@ -208,7 +208,7 @@ class GradStatsCollector:
 def local_grad_sq_norm(
     params: Iterable[nn.Parameter], transform: GradTransform | None = None
 ) -> torch.Tensor | None:
-    """This rank's ``sum_p |p.grad|^2`` as a 0-d float32 tensor (``None`` if no grads).
+    """This rank's ``sum_p |p.grad|^2`` as a 0-d float32/64 tensor (``None`` if no grads).
 
     A ``DTensor`` gradient (FSDP2) contributes its local shard, so summing the
     result over the shard group gives the global squared norm. With a
@@ -229,13 +229,18 @@ def local_grad_sq_norm(
         grads.append(g)
     if not grads:
         return None
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
-        by_device.setdefault(g.device, []).append(g)
+        by_device.setdefault((g.device, _norm_dtype(g.dtype)), []).append(g)
     total: torch.Tensor | None = None
-    for dev_grads in by_device.values():
+    for (_, norm_dtype), dev_grads in by_device.items():
         # one fused pass per device and dtype; float32 so fp16 gradients cannot overflow
-        norms = torch._foreach_norm(dev_grads, 2, dtype=torch.float32)
+        norms = torch._foreach_norm(dev_grads, 2, dtype=norm_dtype)
         part = torch.stack(norms).square().sum()
         total = part if total is None else total + part.to(total.device)
     return total
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half/bf16/float32 gradients (no overflow), float64 for float64 (no narrowing)."""
+    return torch.promote_types(dtype, torch.float32)
