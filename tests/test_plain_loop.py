@@ -1,0 +1,83 @@
+"""End to end in a plain loop: the controller grows the accumulation, resumes exactly, agrees across ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests import plain_workers
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 300
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return plain_workers.train(STEPS)
+
+
+def _changes(log):
+    return [r["step"] for r in log if r["next_accumulation_steps"] != r["accumulation_steps"]]
+
+
+def test_accumulation_grows_and_each_step_aggregates_exactly_the_decided_microbatches(uninterrupted):
+    log = uninterrupted
+    assert len(_changes(log)) >= 3, "the rising noise scale must make the controller double several times"
+    assert log[-1]["accumulation_steps"] >= 16
+    seen = 0.0
+    for prev, cur in zip(log, log[1:]):
+        # a decision takes effect at the next window, never inside one
+        assert cur["accumulation_steps"] == prev["next_accumulation_steps"]
+    for r in log:
+        # counted independently by the model's own forward counter
+        assert r["forward_calls"] == r["accumulation_steps"]
+        assert r["global_batch"] == r["samples_fed"]
+        seen += r["samples_fed"]
+        assert r["tokens_seen"] == seen
+    # only power-of-two multiples of the starting accumulation
+    assert {r["accumulation_steps"] for r in log} <= {2 * 2**e for e in range(10)}
+
+
+def test_resume_in_a_new_process_gives_the_same_schedule(uninterrupted, tmp_path):
+    changes = _changes(uninterrupted)
+    save_at = (changes[0] + changes[1]) // 2  # between two doublings
+    ckpt = tmp_path / "ckpt.pt"
+    first = plain_workers.train(save_at, ckpt_out=str(ckpt), save_at=save_at)
+    assert first == uninterrupted[:save_at]
+    out = tmp_path / "resumed.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run(
+        [sys.executable, "-m", "tests.plain_workers", str(STEPS), str(out), str(ckpt)],
+        cwd=ROOT, env=env, check=True, timeout=300,
+    )
+    resumed = json.loads(out.read_text())
+    assert [r["step"] for r in resumed] == list(range(save_at + 1, STEPS + 1))
+    expected = uninterrupted[save_at:]
+    assert [r["accumulation_steps"] for r in resumed] == [r["accumulation_steps"] for r in expected]
+    assert _changes(resumed) == [c for c in changes if c > save_at]
+    for a, b in zip(resumed, expected):
+        assert a["noise_scale"] == pytest.approx(b["noise_scale"], rel=1e-9, abs=0) if b["noise_scale"] else a["noise_scale"] is None
+
+
+def test_two_gloo_ranks_with_different_data_take_identical_decisions(tmp_path):
+    steps = 300
+    mp.spawn(
+        plain_workers.ddp_worker,
+        args=(2, str(tmp_path / "pg"), str(tmp_path), steps),
+        nprocs=2,
+        join=True,
+    )
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert len(_changes(logs[0])) >= 1, "the run must contain at least one decision to compare"
+    for a, b in zip(*logs):
+        assert a["accumulation_steps"] == b["accumulation_steps"]
+        assert a["next_accumulation_steps"] == b["next_accumulation_steps"]
+        assert a["noise_scale"] == b["noise_scale"]  # bitwise: decided from all-reduced values only
+        # the global batch counts both ranks' samples
+        assert a["global_batch"] == a["samples_fed"] + b["samples_fed"]
