@@ -88,7 +88,7 @@ BETA_WINDOW = (10.0, 1e3)
 
 ROW_PLUGIN_MODULE = "cbs_tracker.nqm_online"
 
-_KERNEL_BLOCK = 4096
+_KERNEL_BLOCK = 1024
 
 
 # --------------------------------------------------------------------------- config
@@ -352,6 +352,7 @@ class ExactNQM:
         self.config = config or NQMConfig()
         self._spec = _Spectrum(self.config)
         self._kernel = np.zeros(0)
+        self._kernel_block: np.ndarray | None = None
         self._signal_cache: dict[int, float] = {}
         self._prefix: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.reset()
@@ -410,7 +411,9 @@ class ExactNQM:
         if n > have:
             sp = self._spec
             weights = 0.5 * sp.h * sp.inject
-            block = sp.decay[:, None] ** np.arange(_KERNEL_BLOCK, dtype=np.float64)[None, :]
+            if self._kernel_block is None:
+                self._kernel_block = sp.decay[:, None] ** np.arange(_KERNEL_BLOCK, dtype=np.float64)[None, :]
+            block = self._kernel_block
             size = max(n, 2 * have)
             out = np.empty(size)
             out[:have] = self._kernel
@@ -623,7 +626,7 @@ class ExactNQM:
         if start is None:
             raise ValueError(f"b_min={b_min!r}, b_max={b_max!r}: no two batch sizes a factor 2 apart")
         _, b1, b2, f = start
-        for _ in range(12):
+        for _ in range(6):
             b1 = math.exp(_golden(lambda x, b2=b2, f=f: loss(math.exp(x), b2, f), math.log(lo), math.log(b2)))
             b2 = math.exp(_golden(lambda x, b1=b1, f=f: loss(b1, math.exp(x), f), math.log(b1), math.log(hi)))
             f = best_frac(b1, b2)
@@ -668,7 +671,7 @@ class ExactNQM:
         return self.state()
 
 
-def _golden(f: Callable[[float], float], a: float, b: float, *, iters: int = 60) -> float:
+def _golden(f: Callable[[float], float], a: float, b: float, *, iters: int = 40) -> float:
     """Minimiser of ``f`` on ``[a, b]``: a 17-point scan, then golden section in the best bracket."""
     grid = np.linspace(a, b, 17)
     vals = [f(float(x)) for x in grid]
@@ -1094,7 +1097,14 @@ def compare_schedules(
             ctx = RowContext(model=nqm, budget=d, b_min=lo, b_max=hi, exponents=exps, rows=dict(rows))
             nqm.reset()
             out = fn(ctx)
-            results = [] if out is None else [out] if isinstance(out, ScheduleResult) else list(out)
+            if out is None:
+                results = []
+            elif isinstance(out, ScheduleResult):
+                results = [out]
+            elif isinstance(out, Iterable):
+                results = list(out)
+            else:
+                results = [out]
             for r in results:
                 if not isinstance(r, ScheduleResult):
                     raise TypeError(f"row function {name!r} returned {type(r).__name__}; expected ScheduleResult")

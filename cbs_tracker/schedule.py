@@ -793,8 +793,8 @@ class DoublingPlan:
 def _staircase(batches: tuple[float, ...], switch_tokens: tuple[float, ...], budget: float) -> np.ndarray:
     """Per-step batches: ``batches[j]`` from the first step with ``switch_tokens[j-1]`` consumed.
 
-    The budget is met exactly by the last stage: its ``n = round(rest / B)``
-    steps share what is left (``rest / n`` each, within ``B/(2n)`` of ``B``),
+    The budget is met exactly by the last stage: its ``n = ceil(rest / B)``
+    steps share what is left (``rest / n`` each, in ``(B n/(n+1), B]``),
     rather than a lone small last step, which would carry the largest noise
     weight ``K(0)`` of the run.
     """
@@ -813,7 +813,7 @@ def _staircase(batches: tuple[float, ...], switch_tokens: tuple[float, ...], bud
         rest = budget - sum(float(p.sum()) for p in parts)
         if parts and parts[-1][0] == b:
             rest += float(parts.pop().sum())
-        n = int(round(rest / b))
+        n = int(math.ceil(rest / b - 1e-9))  # rest/n <= b: never above the rung (nor b_max)
         if n >= 1:
             parts.append(np.full(n, rest / n))
         elif parts:
@@ -973,6 +973,7 @@ def plan_doubling(
         switch_at: ``"geometric_mean"`` or ``"reach"`` (:func:`doubling_plan`).
     """
     d, lo, hi = _check_bounds(budget, b_min, b_max)
+    _thresholds(_rungs(lo, hi, factor), switch_at)  # check factor and switch_at before the work
     if law is not None:
         if not isinstance(law, ScalingLaw):
             raise TypeError(f"law={law!r} has type {type(law).__name__}; expected ScalingLaw or None")
