@@ -1,0 +1,290 @@
+"""FSDP2 adapter: ``FSDPTracker`` measures the noise scale of a ``fully_shard`` model.
+
+Usage (the plain-loop API of :class:`~cbs_tracker.tracker.CBSTracker`, unchanged)::
+
+    from torch.distributed.fsdp import fully_shard
+    from cbs_tracker.integrations.fsdp import FSDPTracker
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)                                    # the root must be sharded too
+    optimizer = torch.optim.AdamW(model.parameters())     # the sharded parameters
+    tracker = FSDPTracker(model, optimizer, accumulation_steps=4, controller=controller)
+    for step in range(num_steps):
+        for _ in range(tracker.accumulation_steps):
+            x, y = next(batches)
+            with tracker.microbatch(labels=y):            # gradient sync on the last one only
+                loss = model(x, y) / tracker.accumulation_steps
+                loss.backward()
+        tracker.step()                                    # before clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+A ``CBSTracker`` given an FSDP2 model refuses it and points here: FSDP2 needs the
+three differences below, and an explicit class keeps them visible (DESIGN §3,
+checked on torch 2.13 with gloo).
+
+* **Small norms.** The sharded ``DTensor`` parameters' own tensor hooks never fire:
+  forward and backward run on *unsharded* ``nn.Parameter`` objects that FSDP swaps
+  into the modules after its all-gather. A forward-pre-hook on every ``FSDPModule``
+  (registered after FSDP's own, which FSDP prepends) registers the norm hook on
+  each unsharded parameter the first time it sees it; the objects persist across
+  iterations, so each is hooked once. The hook sees the microbatch's local
+  gradient in the parameter dtype (bf16 under a ``MixedPrecisionPolicy``); its
+  norm is taken in float32.
+* **Big norm.** ``p.grad`` is a sharded ``DTensor`` after the reduce-scatter
+  (in the parameters' original dtype, e.g. float32 with ``reduce_dtype=float32``).
+  Each rank adds ``sum |p.grad.to_local()|^2`` of its shards to the step's one
+  ``all_reduce`` over the DP group, so the sum is the global ``|.grad|^2``. With HSDP
+  (a 2-D ``(replicate, shard)`` mesh) the ranks along the replicate dimension
+  hold the *same* shard: only replica 0 contributes it. FSDP averages the
+  gradient over all its ranks (``R = D``), as DDP does.
+* **Gradient sync.** ``gradient_sync="last"`` (default) calls
+  ``model.set_requires_gradient_sync(False)`` for all but the window's last
+  microbatch and ``True`` for the last (FSDP then reduces once per step and
+  accumulates unsharded gradients locally, in ``reduce_dtype`` when it differs
+  from ``param_dtype``). ``gradient_sync="every"`` leaves the setting alone: FSDP
+  reduce-scatters every microbatch and accumulates the sharded gradient. The
+  measurement is the same either way; ``"last"`` moves less data, ``"every"``
+  holds no unsharded gradient between microbatches.
+
+The data-parallel group. By default it is the group of the mesh the parameters
+are sharded on when that mesh is 1-D (plain FSDP; with a 2-D ``dp x tp`` mesh and
+``fully_shard(model, mesh=mesh["dp"])`` that is the ``dp`` group, and the ``tp``
+ranks never multiply the batch). For HSDP or any other mesh of more than one
+dimension name the DP dimensions: ``FSDPTracker(model, device_mesh=mesh,
+mesh_dim=("dp_replicate", "dp_shard"))`` (or pass ``process_group=``). The layout
+is checked at construction: every mesh dimension of the sharded parameters must
+lie inside the DP group (a data-parallel dimension) or meet it only in this rank
+(a dimension whose ranks see the same data), and the data-parallel dimensions
+must cover the whole DP group.
+
+Not supported (refused at construction with a message): parameters that FSDP
+does not manage (``ignored_params``: their gradients are not synced), parameters
+sharded along a non-data-parallel mesh dimension (tensor parallelism: a rank's
+hook would see only its tensor-parallel shard), ``preconditioner="adam"`` (the
+per-microbatch gradients are unsharded while Adam's second moments are sharded).
+The tracker assumes FSDP's default average over the DP ranks; after
+``set_gradient_divide_factor(f)`` with ``f != D`` the big norm is off by ``(D/f)^2``
+(``grads_averaged_over_ranks=False`` covers ``f = 1``, a plain sum).
+
+Collective discipline: the tracker adds exactly one ``all_reduce`` per
+:meth:`~cbs_tracker.tracker.CBSTracker.step` on every rank, also when a rank's
+gradients are not finite (every rank then drops the step) or a rank's data ran
+out (it contributes zero counts). FSDP's own collectives are the loop's business:
+with uneven data every rank must still run the same number of gradient
+synchronisations (stop all ranks together when one runs out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from cbs_tracker import distributed as cbs_dist
+from cbs_tracker.tracker import CBSTracker
+
+__all__ = ["FSDPTracker", "GradientSync"]
+
+GradientSync = Literal["last", "every"]
+
+
+def _fsdp_module_type() -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+class FSDPTracker(CBSTracker):
+    """:class:`~cbs_tracker.tracker.CBSTracker` for a model wrapped with FSDP2's ``fully_shard``.
+
+    Args:
+        model: the root module, itself an ``FSDPModule`` (``fully_shard(model)`` was
+            called on it, after its sub-modules).
+        optimizer: the optimizer over the sharded parameters (may be ``None``).
+        gradient_sync: ``"last"`` (default): the tracker disables FSDP's gradient
+            sync on all but the last microbatch of each window; ``"every"``: the
+            tracker leaves it alone (FSDP reduces every microbatch, or whatever the
+            loop sets).
+        **kwargs: every keyword of :class:`~cbs_tracker.tracker.CBSTracker`
+            (``accumulation_steps``, ``unit``, ``controller``, ``process_group`` or
+            ``device_mesh`` + ``mesh_dim``, ``grad_scaler``, ``estimator``, ...).
+
+    Raises:
+        TypeError: ``model`` is not an ``FSDPModule``.
+        ValueError: an unknown ``gradient_sync``, ``preconditioner="adam"``, parameters
+            FSDP does not manage, or a mesh layout the DP group does not match.
+    """
+
+    big_norm_is_sharded = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        gradient_sync: GradientSync = "last",
+        **kwargs: Any,
+    ) -> None:
+        fsdp_module = _fsdp_module_type()
+        dtensor = _dtensor_type()
+        if not isinstance(model, fsdp_module):
+            raise TypeError(
+                f"FSDPTracker(model={type(model).__name__}): expected the root module after "
+                "fully_shard(model) (an FSDPModule); use CBSTracker for plain or DDP models"
+            )
+        if gradient_sync not in ("last", "every"):
+            raise ValueError(f"FSDPTracker(gradient_sync={gradient_sync!r}): must be 'last' or 'every'")
+        if kwargs.get("preconditioner") is not None:
+            raise ValueError(
+                f"FSDPTracker(preconditioner={kwargs['preconditioner']!r}): not supported with FSDP2 "
+                "(the per-microbatch gradients are unsharded, Adam's second moments are sharded); "
+                "use preconditioner=None"
+            )
+        sharded = [p for p in model.parameters() if p.requires_grad]
+        unmanaged = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, dtensor)]
+        if unmanaged:
+            raise ValueError(
+                f"FSDPTracker(model=...): parameters {unmanaged[:5]} are not managed by FSDP "
+                "(ignored_params?); their gradients are not synced, so the step's gradient is not "
+                "measurable. Shard them or set requires_grad=False"
+            )
+        meshes = {id(p.device_mesh): p.device_mesh for p in sharded}
+        if (
+            kwargs.get("process_group") is None
+            and kwargs.get("device_mesh") is None
+            and kwargs.get("mesh_dim") is None
+            and len(meshes) == 1
+        ):
+            (mesh,) = meshes.values()
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"FSDPTracker(device_mesh=None): the parameters are sharded on a {mesh.ndim}-D mesh "
+                    f"{tuple(mesh.mesh_dim_names or ())}; name its data-parallel dimension(s), e.g. "
+                    "device_mesh=mesh, mesh_dim=('dp_replicate', 'dp_shard') for HSDP"
+                )
+            kwargs["process_group"] = mesh.get_group(0)
+        self.gradient_sync: GradientSync = gradient_sync
+        self._sharded_params: list[nn.Parameter] = sharded
+        self._sharded_ids = {id(p) for p in sharded}
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, fsdp_module)]
+        self._pre_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        super().__init__(model, optimizer, **kwargs)
+        try:
+            self._reports_big_norm = all(
+                _reports_big_norm(p.device_mesh, tuple(p.placements), self.dp_group, self.dp_degree)
+                for p in sharded
+            )
+        except ValueError:
+            self.remove_hooks()  # leave the model as it was
+            raise
+
+    # ------------------------------------------------------------------ adapter points
+    def _measured_params(self) -> list[nn.Parameter]:
+        # The objects the hooks go on exist only after FSDP's first all-gather.
+        return []
+
+    def _register_hooks(self) -> None:
+        for module in self._fsdp_modules:
+            # FSDP prepends its own pre-forward (the all-gather); this one runs after it,
+            # when the module's parameters are the unsharded ones.
+            self._pre_hook_handles.append(module.register_forward_pre_hook(self._hook_unsharded))
+
+    def _hook_unsharded(self, module: nn.Module, args: Any) -> None:
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in self._sharded_ids:
+                self.collector.hook(p)  # once per object
+
+    def _big_params(self) -> list[nn.Parameter]:
+        # HSDP: replicas hold the same shard; only replica 0 reports it (the others add 0).
+        return self._sharded_params if self._reports_big_norm else []
+
+    def remove_hooks(self) -> None:
+        """Detach from the model: the norm hooks and the forward-pre-hooks."""
+        for h in self._pre_hook_handles:
+            h.remove()
+        self._pre_hook_handles.clear()
+        super().remove_hooks()
+
+    # ------------------------------------------------------------------ the loop
+    @contextmanager
+    def microbatch(
+        self, size: float | int | torch.Tensor | None = None, *, labels: torch.Tensor | None = None
+    ) -> Iterator[None]:
+        """Wrap one microbatch; with ``gradient_sync="last"`` only the last one syncs.
+
+        See :meth:`cbs_tracker.tracker.CBSTracker.microbatch`.
+        """
+        with super().microbatch(size, labels=labels):
+            if self.gradient_sync == "last":
+                last = self._window_index >= self._accumulation_steps - 1
+                self.model.set_requires_gradient_sync(last)
+            yield
+
+
+def _group_ranks(group: Any | None) -> set[int]:
+    import torch.distributed as dist
+
+    return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _reports_big_norm(mesh: Any, placements: tuple[Any, ...], dp_group: Any | None, dp_degree: int) -> bool:
+    """Check the sharded parameter's mesh against the DP group; say whether this rank reports its shard.
+
+    Each mesh dimension must either lie inside the DP group (data parallel: FSDP's
+    shard dimension, or HSDP's replicate dimension) or meet it only in this rank
+    (its ranks see the same data and hold their own copy of the DP group's result).
+    The data-parallel dimensions must cover the DP group. This rank reports its
+    local ``|grad|^2`` unless it is a non-zero coordinate of a data-parallel
+    dimension along which the parameter is replicated (HSDP).
+
+    Raises:
+        ValueError: the layout does not match the DP group.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not cbs_dist.is_distributed():
+        return True
+    me = cbs_dist.group_rank(None)
+    dp_ranks = _group_ranks(dp_group)
+    names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+    covered = 1
+    reports = True
+    for dim in range(mesh.ndim):
+        ranks = _group_ranks(mesh.get_group(dim))
+        placement = placements[dim]
+        if ranks <= dp_ranks:
+            covered *= len(ranks)
+            if isinstance(placement, Replicate) and mesh.get_local_rank(dim) != 0:
+                reports = False
+        elif ranks & dp_ranks == {me}:
+            if isinstance(placement, Shard):
+                raise ValueError(
+                    f"FSDPTracker: parameters are sharded ({placement!r}) along mesh dimension "
+                    f"{names[dim]!r}, which is not data-parallel; tensor-parallel sharding is not "
+                    "supported (each rank's hooks would see only its shard)"
+                )
+        else:
+            raise ValueError(
+                f"FSDPTracker: mesh dimension {names[dim]!r} (ranks {sorted(ranks)}) partly overlaps the "
+                f"data-parallel group (ranks {sorted(dp_ranks)}); pass device_mesh= and mesh_dim= naming "
+                "the data-parallel dimension(s) of the mesh FSDP shards on"
+            )
+    if covered != dp_degree:
+        raise ValueError(
+            f"FSDPTracker: the data-parallel group has {dp_degree} ranks but FSDP's mesh "
+            f"{names} covers {covered} of them; the gradient sync would not span the DP group. "
+            "Pass the DP group FSDP shards and replicates over (device_mesh= and mesh_dim=)"
+        )
+    return reports
