@@ -736,8 +736,9 @@ class DoublingPlan:
     """A power-of-two (``factor``) staircase taken from a continuous optimum.
 
     The batch is ``batches[0]`` from the start and becomes ``batches[j]`` once
-    ``switch_tokens[j-1]`` tokens have been consumed (``z_j``, seed §3.4). Spent
-    step by step until ``budget``; :meth:`batches_per_step` is that schedule.
+    ``switch_tokens[j-1]`` tokens have been consumed (``z_j``, seed §3.4);
+    :meth:`batches_per_step` is that schedule in whole steps spending the budget
+    exactly (each change at the step boundary nearest to ``z_j``).
 
     Attributes:
         budget: total tokens (or samples).
@@ -784,45 +785,41 @@ class DoublingPlan:
     def batches_per_step(self) -> np.ndarray:
         """The staircase as a per-step array summing to ``budget`` exactly.
 
-        A step's batch is :meth:`batch_at_tokens` of the tokens consumed before
-        it; the last step takes only what is left of the budget.
+        Every stage after the first is a whole number of steps at its rung and
+        starts within half a step of its ``z_j``; see ``_staircase`` for the rounding.
         """
         return _staircase(self.batches, self.switch_tokens, self.budget)
 
 
 def _staircase(batches: tuple[float, ...], switch_tokens: tuple[float, ...], budget: float) -> np.ndarray:
-    """Per-step batches: ``batches[j]`` from the first step with ``switch_tokens[j-1]`` consumed.
+    """Per-step batches of a staircase that spends ``budget`` exactly, every rung kept exact.
 
-    The budget is met exactly by the last stage: its ``n = ceil(rest / B)``
-    steps share what is left (``rest / n`` each, in ``(B n/(n+1), B]``),
-    rather than a lone small last step, which would carry the largest noise
-    weight ``K(0)`` of the run.
+    Built backwards from the end: stage ``j`` (``j >= 1``) takes
+    ``n_j = round((e_j - z_j) / B_j)`` whole steps of ``B_j`` ending at ``e_j``
+    (``e_last = budget``), so it starts within ``B_j / 2`` tokens of ``z_j``; the
+    first stage fills what is left with ``B_0`` steps. When that rest is not a
+    multiple of ``B_0`` (a budget that is not a multiple of the smallest
+    batch), the remainder ``r < B_0`` is spread over the first stage
+    (``B_0 + r / n_0`` per step), where the noise it adds is forgotten by the end.
     """
-    parts: list[np.ndarray] = []
-    tokens = 0.0
-    edges = list(switch_tokens[: len(batches) - 1]) + [budget]
-    for b, end in zip(batches, edges, strict=True):
-        if tokens >= end:
-            continue
-        if end < budget:
-            n = int(math.ceil((end - tokens) / b - 1e-12))
-            parts.append(np.full(n, b))
-            tokens += n * b
-            if tokens < budget * (1 - 1e-12):
-                continue
-        rest = budget - sum(float(p.sum()) for p in parts)
-        if parts and parts[-1][0] == b:
-            rest += float(parts.pop().sum())
-        n = int(math.ceil(rest / b - 1e-9))  # rest/n <= b: never above the rung (nor b_max)
-        if n >= 1:
-            parts.append(np.full(n, rest / n))
-        elif parts:
-            prev = parts.pop()
-            parts.append(np.full(prev.size, (float(prev.sum()) + rest) / prev.size))
-        elif rest > 0:
-            parts.append(np.array([rest]))
-        break
-    return np.concatenate(parts) if parts else np.zeros(0)
+    ends = budget
+    tail: list[np.ndarray] = []
+    for b, z in zip(reversed(batches[1:]), reversed(switch_tokens[: len(batches) - 1]), strict=True):
+        n = max(int(round((ends - z) / b)), 0)
+        n = min(n, int(math.floor(ends / b + 1e-9)))
+        if n:
+            tail.append(np.full(n, b))
+            ends -= n * b
+    b0 = batches[0]
+    n0 = int(math.floor(ends / b0 + 1e-9))
+    rest = ends - n0 * b0
+    if n0 >= 1:
+        head = np.full(n0, b0 + max(rest, 0.0) / n0)
+    elif ends > 0:
+        head = np.array([ends])
+    else:
+        head = np.zeros(0)
+    return np.concatenate([head, *reversed(tail)])
 
 
 def _thresholds(rungs: list[float], switch_at: str) -> list[float]:

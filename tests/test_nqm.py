@@ -269,7 +269,14 @@ def test_run_online_monte_carlo_cuts_the_last_step() -> None:
 # ----------------------------------------------------------------------------- registry and command
 
 
-def test_registered_rows_join_the_comparison() -> None:
+@pytest.fixture
+def no_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Isolate the registry from other modules' rows (cbs_tracker.nqm_online registers its own)."""
+    monkeypatch.setattr(N, "ROW_PLUGIN_MODULE", "cbs_tracker._no_such_plugin")
+    monkeypatch.setattr(N, "_EXTRA_ROWS", {})
+
+
+def test_registered_rows_join_the_comparison(no_plugins: None) -> None:
     def online_row(ctx: N.RowContext) -> ScheduleResult:
         assert set(ctx.rows) >= {"constant", "two_stage", "doubling", "optimal", "planner"}
         best = ctx.rows["constant"].batches[0]
@@ -355,7 +362,7 @@ def test_mc_apply_checks_the_shape() -> None:
         mc.apply(np.zeros(3))
 
 
-def test_row_function_must_return_schedule_results() -> None:
+def test_row_function_must_return_schedule_results(no_plugins: None) -> None:
     register_row("bad_row", lambda ctx: 42)
     try:
         with pytest.raises(TypeError, match=r"row function 'bad_row' returned int; expected ScheduleResult"):

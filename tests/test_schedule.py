@@ -193,17 +193,30 @@ def test_doubling_plan_switches_where_the_optimum_crosses_the_thresholds() -> No
 def test_batch_at_tokens_is_the_staircase() -> None:
     plan = plan_doubling(3e6, 8.0, 8192.0, SEED_S, SEED_BETA)
     steps = plan.batches_per_step()
+    assert math.fsum(steps) == pytest.approx(3e6, rel=1e-12)
+    assert set(np.unique(steps)) == set(plan.batches)  # every rung exact (3e6 is a multiple of 8)
     before = np.concatenate([[0.0], np.cumsum(steps)[:-1]])
+    for j, z in enumerate(plan.switch_tokens, start=1):
+        first = int(np.argmax(steps == plan.batches[j]))
+        assert abs(before[first] - z) <= plan.batches[j] / 2 + 1e-6  # nearest step boundary to z_j
+    # away from the boundaries the per-step schedule is batch_at_tokens
     planned = plan.batch_at_tokens(before)
-    # every step but the last stage (whose batch is rounded to spend the budget exactly) follows the plan
-    last = plan.switch_tokens[-1]
-    assert np.array_equal(steps[before < last], planned[before < last])
+    assert np.mean(planned == steps) > 0.999
     assert plan.batch_at_tokens(0.0) == 8.0
     assert plan.batch_at_tokens(plan.switch_tokens[0]) == 16.0
     assert plan.batch_at_tokens(np.nextafter(plan.switch_tokens[0], 0.0)) == 8.0
     assert plan.next_switch_tokens(0.0) == plan.switch_tokens[0]
     assert plan.next_switch_tokens(3e6) is None
     assert plan.switch_fractions[0] == pytest.approx(plan.switch_tokens[0] / 3e6)
+
+
+def test_staircase_spreads_an_odd_remainder_over_the_first_stage() -> None:
+    plan = plan_doubling(3e6 + 5.0, 8.0, 8192.0, SEED_S, SEED_BETA)
+    steps = plan.batches_per_step()
+    assert math.fsum(steps) == pytest.approx(3e6 + 5.0, rel=1e-12)
+    first = steps[steps < 16.0]
+    assert np.all(first > 8.0) and np.all(first < 8.0 + 1e-3)
+    assert set(np.unique(steps[steps >= 16.0])) == set(plan.batches[1:])
 
 
 def test_plan_from_batches_matches_plan_from_the_power_law() -> None:
