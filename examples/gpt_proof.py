@@ -1,0 +1,811 @@
+"""The proof experiment: the tracker against constant batches and a hand ramp on a small GPT.
+
+Every run trains the same small byte-level GPT (``cbs_tracker.gpt``, 2 layers,
+width 128, 4 heads, context 128, 0.45M parameters) on the running Python's
+standard library (``cbs_tracker.corpus``) with AdamW (lr 2e-3 after a 200k-token
+linear warm-up, betas (0.9, 0.95), weight decay 0.1, clipping at 1.0) for the
+same number of tokens (the budget, 5 * 2**20 = 5,242,880 tokens). For a given
+seed every run starts from the same initialisation and reads the same sequences
+in the same order (``SequenceStream`` makes sequence ``i`` a function of
+``(seed, i)`` only, however the batch is cut); only the batch schedule differs:
+
+* ``constant``: constant global batches of 1k .. 32k tokens;
+* ``hand_ramp``: 2k -> 4k -> 8k -> 16k tokens for the first 50 / 25 / 15 / 10% of
+  the budget (seed 001's hand-picked ramp, scaled);
+* ``tracker_default``: ``CBSTracker`` with ``BatchSizeController()`` at its
+  defaults, starting at 512 tokens;
+* ``tracker_budget``: the same start with the controller's budget-aware mode
+  given the budget (``BatchSizeController(budget_tokens=...)``).
+
+The best constant batch (lowest final validation loss at seed 0) and the hand
+ramp are repeated at seed 1, the tracker runs too; the best constant, the hand
+ramp and the budget-aware tracker are also run with a cosine learning-rate decay
+(to 10% of the peak, after the same warm-up).
+
+Microbatches. A global batch is ``micro * A`` (``A`` = accumulation steps, one
+process). The constants and the hand ramp use 512-token microbatches (4
+sequences of 128), so even the 1k constant has ``A = 2``; the tracker runs start
+at 512 tokens and need ``A >= 2`` to measure anything (DESIGN §2 rule 7), so they
+use 256-token microbatches (``A = 2`` at the start). Every run, constants
+included, goes through ``CBSTracker`` (observe-only for the constants, the hand
+ramp as a fixed schedule object passed as its controller), so every run logs
+the measured noise scale to TensorBoard.
+
+The tracker runs use the library as a user would: ``CBSTracker(model, optimizer,
+accumulation_steps=2, controller=BatchSizeController(...), logger=...)``, the loop
+asks ``tracker.accumulation_steps`` before each window, calls ``tracker.step()``
+before clipping, and sets the learning rate of the schedule (by tokens) itself.
+
+Usage (runs two at a time in subprocesses with one torch thread each; a finished
+run is reused unless ``--force``; ``runs/`` is ignored by git)::
+
+    python examples/gpt_proof.py --out runs/proof           # everything, ~40 min on 2 cores
+    python examples/gpt_proof.py --out runs/proof --only constant,hand_ramp
+    python examples/gpt_proof.py --quick --out /tmp/proof   # tiny model and budget (smoke test)
+
+Outputs under ``--out``: ``results.json`` (one entry per run: ``schedule``,
+``final_val_loss``, ``steps``, ``steps_to_best_constant``, ``seed`` and more),
+``table.md`` (the table, also printed), ``proof.png`` (validation loss against
+tokens and against steps; batch schedules and measured noise scales against
+tokens), ``tb/<run>/`` (TensorBoard logs: the tracker's ``cbs/`` tags and
+``val/loss``), ``runs/<run>.json`` (each run's curves) and ``logs/<run>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# ---------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything that defines the experiment (a run's result is reused only for the same setting).
+
+    Sizes are in tokens (bytes) unless named otherwise.
+    """
+
+    name: str
+    budget_tokens: int
+    seq_len: int
+    n_layer: int
+    d_model: int
+    n_head: int
+    lr: float
+    min_lr_ratio: float  # cosine decays to min_lr_ratio * lr
+    warmup_tokens: int
+    weight_decay: float
+    clip: float
+    micro_sequences: int  # constants and hand ramp
+    tracker_micro_sequences: int  # tracker runs
+    tracker_start_tokens: int
+    constants: tuple[int, ...]
+    ramp: tuple[tuple[int, float], ...]  # (global batch, fraction of the budget)
+    eval_every_tokens: int
+    eval_sequences: int
+    corpus_max_bytes: int | None
+    seeds: tuple[int, ...] = (0, 1)
+    trace_every_tokens: int = 8192
+
+    def key(self) -> str:
+        """A short hash of the setting; results carry it so that settings never mix."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+FULL = Setting(
+    name="full",
+    budget_tokens=5 * 2**20,
+    seq_len=128,
+    n_layer=2,
+    d_model=128,
+    n_head=4,
+    lr=2e-3,
+    min_lr_ratio=0.1,
+    warmup_tokens=200_000,
+    weight_decay=0.1,
+    clip=1.0,
+    micro_sequences=4,
+    tracker_micro_sequences=2,
+    tracker_start_tokens=512,
+    constants=(1024, 2048, 4096, 8192, 16384, 32768),
+    ramp=((2048, 0.5), (4096, 0.25), (8192, 0.15), (16384, 0.10)),
+    eval_every_tokens=131_072,
+    eval_sequences=256,
+    corpus_max_bytes=None,
+)
+
+QUICK = Setting(
+    name="quick",
+    budget_tokens=32_768,
+    seq_len=32,
+    n_layer=1,
+    d_model=32,
+    n_head=2,
+    lr=2e-3,
+    min_lr_ratio=0.1,
+    warmup_tokens=4096,
+    weight_decay=0.1,
+    clip=1.0,
+    micro_sequences=4,
+    tracker_micro_sequences=2,
+    tracker_start_tokens=128,
+    constants=(256, 1024),
+    ramp=((256, 0.5), (512, 0.25), (1024, 0.25)),
+    eval_every_tokens=8192,
+    eval_sequences=16,
+    corpus_max_bytes=1 << 20,
+    seeds=(0,),  # one seed keeps the smoke test short; the full setting repeats runs at seed 1
+    trace_every_tokens=1024,
+)
+
+SETTINGS = {s.name: s for s in (FULL, QUICK)}
+
+SCHEDULES = ("constant", "hand_ramp", "tracker_default", "tracker_budget")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run."""
+
+    schedule: str  # one of SCHEDULES
+    seed: int
+    lr_schedule: str = "constant"  # "constant" (after warm-up) or "cosine"
+    batch_tokens: int | None = None  # constant runs only
+
+    @property
+    def name(self) -> str:
+        kind = f"constant_{self.batch_tokens}" if self.schedule == "constant" else self.schedule
+        suffix = "_cosine" if self.lr_schedule == "cosine" else ""
+        return f"{kind}{suffix}_seed{self.seed}"
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+def lr_at(setting: Setting, lr_schedule: str, tokens: float) -> float:
+    """Learning rate for a step that ends at ``tokens`` seen (the step's own tokens included).
+
+    Linear warm-up over ``warmup_tokens``, then constant, or a cosine from the peak
+    to ``min_lr_ratio * lr`` at the end of the budget (both by tokens, so that every
+    batch schedule gets the same learning rate at the same point of the data).
+    """
+    peak = setting.lr
+    if tokens < setting.warmup_tokens:
+        return peak * tokens / setting.warmup_tokens
+    if lr_schedule == "constant":
+        return peak
+    span = max(setting.budget_tokens - setting.warmup_tokens, 1)
+    progress = min(max((tokens - setting.warmup_tokens) / span, 0.0), 1.0)
+    low = setting.min_lr_ratio * peak
+    return low + (peak - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def ramp_batch(setting: Setting, tokens_seen: float) -> int:
+    """Global batch of the hand ramp for the step that starts after ``tokens_seen`` tokens."""
+    edge = 0.0
+    for batch, fraction in setting.ramp:
+        edge += fraction * setting.budget_tokens
+        if tokens_seen < edge - 1e-6:
+            return batch
+    return setting.ramp[-1][0]
+
+
+class HandRamp:
+    """A fixed batch schedule by tokens, handed to ``CBSTracker`` as its controller.
+
+    ``CBSTracker(controller=...)`` accepts anything with ``BatchSizeController.update``'s
+    signature; this one ignores the measurement and returns the accumulation of the
+    hand ramp at the tokens seen, so the hand-ramp run measures and logs exactly as
+    the tracker runs do.
+    """
+
+    def __init__(self, setting: Setting, micro_tokens: int) -> None:
+        self.setting = setting
+        self.micro_tokens = micro_tokens
+
+    def update(
+        self,
+        *,
+        step: int,
+        tokens_seen: float,
+        global_batch: float,
+        accumulation_steps: int,
+        noise_scale: float | None,
+    ) -> Any:
+        from cbs_tracker.controller import Decision
+
+        batch = ramp_batch(self.setting, tokens_seen)
+        accumulation = batch // self.micro_tokens
+        return Decision(
+            step=step,
+            accumulation_steps=accumulation,
+            global_batch=float(batch),
+            changed=accumulation != accumulation_steps,
+            critical_batch=None,
+            decision_noise_scale=None,
+            lr_factor=1.0,
+            reason="hand ramp",
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def budget_mode_available() -> bool:
+    """Whether the installed ``BatchSizeController`` has the budget-aware mode (``budget_tokens=``)."""
+    from cbs_tracker.controller import BatchSizeController
+
+    return "budget_tokens" in inspect.signature(BatchSizeController).parameters
+
+
+def make_controller(spec: RunSpec, setting: Setting, micro_tokens: int) -> Any:
+    """The controller object of a run (``None`` for the constants: observe only)."""
+    from cbs_tracker.controller import BatchSizeController
+
+    if spec.schedule == "constant":
+        return None
+    if spec.schedule == "hand_ramp":
+        return HandRamp(setting, micro_tokens)
+    if spec.schedule == "tracker_default":
+        return BatchSizeController()
+    if spec.schedule == "tracker_budget":
+        return BatchSizeController(budget_tokens=setting.budget_tokens)
+    raise ValueError(f"unknown schedule {spec.schedule!r}; expected one of {SCHEDULES}")
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+def _round(x: float | None, digits: int = 5) -> float | None:
+    if x is None or not math.isfinite(x):
+        return None
+    return float(f"{x:.{digits}g}")
+
+
+def train_run(spec: RunSpec, setting: Setting, out: Path) -> dict[str, Any]:
+    """Train one run in this process and return its record (also written to ``runs/<name>.json``)."""
+    import torch
+
+    from cbs_tracker.corpus import SequenceStream, evaluate, load_corpus
+    from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+    from cbs_tracker.tb import TensorBoardLogger
+    from cbs_tracker.tracker import CBSTracker
+
+    torch.set_num_threads(1)
+    corpus = load_corpus(setting.corpus_max_bytes)
+    tracker_run = spec.schedule.startswith("tracker")
+    micro_seqs = setting.tracker_micro_sequences if tracker_run else setting.micro_sequences
+    micro_tokens = micro_seqs * setting.seq_len
+    if spec.schedule == "constant":
+        start_batch = int(spec.batch_tokens or 0)
+    elif spec.schedule == "hand_ramp":
+        start_batch = ramp_batch(setting, 0)
+    else:
+        start_batch = setting.tracker_start_tokens
+    if start_batch % micro_tokens or start_batch // micro_tokens < 2:
+        raise ValueError(
+            f"{spec.name}: global batch {start_batch} must be a multiple >= 2 of the microbatch {micro_tokens}"
+        )
+
+    torch.manual_seed(spec.seed)
+    config = GPTConfig(
+        context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model, n_head=setting.n_head
+    )
+    model = GPT(config)
+    optimizer = make_adamw(model, setting.lr, setting.weight_decay)
+    stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=spec.seed)
+    tb_dir = out / "tb" / spec.name
+    cbs_logger = TensorBoardLogger(tb_dir, flush_secs=30)
+    from torch.utils.tensorboard import SummaryWriter
+
+    val_writer = SummaryWriter(log_dir=str(tb_dir), flush_secs=30)
+    controller = make_controller(spec, setting, micro_tokens)
+    tracker = CBSTracker(
+        model,
+        optimizer,
+        accumulation_steps=start_batch // micro_tokens,
+        controller=controller,
+        logger=cbs_logger,
+    )
+
+    def run_eval() -> float:
+        return evaluate(model, corpus.val, seq_len=setting.seq_len, num_sequences=setting.eval_sequences)
+
+    evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
+    trace: dict[str, list[Any]] = {"step": [], "tokens": [], "global_batch": [], "noise_scale": [], "critical_batch": []}
+    changes: list[dict[str, float]] = []
+
+    def record_eval(step: int, tokens: float) -> float:
+        loss = run_eval()
+        evals["step"].append(step)
+        evals["tokens"].append(tokens)
+        evals["val_loss"].append(round(loss, 5))
+        val_writer.add_scalar("val/loss", loss, global_step=step)
+        val_writer.add_scalar("val_tokens/loss", loss, global_step=int(tokens))
+        return loss
+
+    record_eval(0, 0.0)
+    train_time = 0.0
+    eval_time = 0.0
+    tokens = 0.0
+    step = 0
+    next_eval = setting.eval_every_tokens
+    next_trace = 0.0
+    batch = start_batch
+    stopped_short = 0.0
+    caught: list[str] = []
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        while True:
+            accumulation = tracker.accumulation_steps
+            if tokens + accumulation * micro_tokens > setting.budget_tokens:
+                # the next step would pass the budget: stop a little short (never beyond)
+                stopped_short = setting.budget_tokens - tokens
+                break
+            t0 = time.perf_counter()
+            lr = lr_at(setting, spec.lr_schedule, tokens + accumulation * micro_tokens)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for _ in range(accumulation):
+                x, y = stream.next_batch(micro_seqs)
+                with tracker.microbatch(labels=y):
+                    _, loss = model(x, y)
+                    (loss / tracker.accumulation_steps).backward()
+            record = tracker.step()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            train_time += time.perf_counter() - t0
+            step = record.step
+            tokens = record.tokens_seen
+            if record.global_batch != batch:
+                changes.append({"step": step, "tokens": tokens - record.global_batch, "from": batch,
+                                "to": record.global_batch})
+                batch = int(record.global_batch)
+            if tokens >= next_trace or step == 1:
+                trace["step"].append(step)
+                trace["tokens"].append(tokens)
+                trace["global_batch"].append(record.global_batch)
+                trace["noise_scale"].append(_round(record.noise_scale, 4))
+                trace["critical_batch"].append(_round(record.critical_batch, 4))
+                next_trace = (math.floor(tokens / setting.trace_every_tokens) + 1) * setting.trace_every_tokens
+            if tokens >= next_eval:
+                t1 = time.perf_counter()
+                loss = record_eval(step, tokens)
+                eval_time += time.perf_counter() - t1
+                logging.info("step %d, %.0f tokens, batch %d, val loss %.4f, %.0f tokens/s, B_simple %s",
+                             step, tokens, batch, loss, tokens / max(train_time, 1e-9),
+                             _round(record.noise_scale, 4))
+                next_eval = (math.floor(tokens / setting.eval_every_tokens) + 1) * setting.eval_every_tokens
+        caught = [f"{w.category.__name__}: {w.message}" for w in warned]
+    if not evals["step"] or evals["step"][-1] != step:
+        record_eval(step, tokens)
+    for text in caught:
+        logging.warning("%s", text)
+    cbs_logger.close()
+    val_writer.close()
+    result = {
+        "name": spec.name,
+        "schedule": spec.schedule,
+        "seed": spec.seed,
+        "lr_schedule": spec.lr_schedule,
+        "batch_tokens": spec.batch_tokens,
+        "start_batch_tokens": start_batch,
+        "micro_batch_tokens": micro_tokens,
+        "final_batch_tokens": batch,
+        "final_val_loss": evals["val_loss"][-1],
+        "steps": step,
+        "tokens": tokens,
+        "tokens_short_of_budget": stopped_short,
+        "train_time_s": round(train_time, 2),
+        "eval_time_s": round(eval_time, 2),
+        "feedback_trap": bool(getattr(controller, "feedback_trap", False)),
+        "warnings": caught,
+        "evals": evals,
+        "trace": trace,
+        "batch_changes": changes,
+        "setting": setting.name,
+        "setting_key": setting.key(),
+    }
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    path = out / "runs" / f"{spec.name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+    return result
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def plan_runs(setting: Setting, best_constant: int | None, *, budget_mode: bool) -> list[RunSpec]:
+    """Runs in the order they start; the ones that need the best constant only once it is known."""
+    s0, others = setting.seeds[0], setting.seeds[1:]
+    trackers = ("tracker_default", "tracker_budget") if budget_mode else ("tracker_default",)
+    specs = [RunSpec("constant", s0, batch_tokens=b) for b in setting.constants]
+    specs += [RunSpec(t, s0) for t in trackers]
+    specs += [RunSpec("hand_ramp", s0)]
+    specs += [RunSpec(kind, s) for s in others for kind in ("hand_ramp", *trackers)]
+    specs += [RunSpec("hand_ramp", s0, "cosine")]
+    if budget_mode:
+        specs += [RunSpec("tracker_budget", s0, "cosine")]
+    if best_constant is not None:
+        specs += [RunSpec("constant", s, batch_tokens=best_constant) for s in others]
+        specs += [RunSpec("constant", s0, "cosine", batch_tokens=best_constant)]
+    return specs
+
+
+def _load_result(path: Path, setting: Setting) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    return result if result.get("setting_key") == setting.key() else None
+
+
+def best_constant_of(results: dict[str, dict[str, Any]], setting: Setting) -> int | None:
+    """The constant batch with the lowest final loss at the first seed (constant LR), once all ran."""
+    s0 = setting.seeds[0]
+    finals = {}
+    for b in setting.constants:
+        r = results.get(RunSpec("constant", s0, batch_tokens=b).name)
+        if r is None:
+            return None
+        finals[b] = r["final_val_loss"]
+    return min(finals, key=lambda b: finals[b])
+
+
+def run_all(setting: Setting, out: Path, *, jobs: int, only: set[str] | None, force: bool,
+            budget_mode: bool) -> dict[str, dict[str, Any]]:
+    """Run every planned run not finished yet, ``jobs`` at a time, each in its own process."""
+    results: dict[str, dict[str, Any]] = {}
+    for path in sorted((out / "runs").glob("*.json")):
+        r = _load_result(path, setting)
+        if r is not None and not force:
+            results[r["name"]] = r
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    started: set[str] = set(results)
+    failed: set[str] = set()
+    running: dict[str, tuple[subprocess.Popen[bytes], Any, float]] = {}
+
+    def wanted(spec: RunSpec) -> bool:
+        group = "cosine" if spec.lr_schedule == "cosine" else spec.schedule
+        return only is None or group in only
+
+    while True:
+        best = best_constant_of(results, setting)
+        todo = [s for s in plan_runs(setting, best, budget_mode=budget_mode)
+                if wanted(s) and s.name not in started]
+        while todo and len(running) < jobs:
+            spec = todo.pop(0)
+            started.add(spec.name)
+            log = open(out / "logs" / f"{spec.name}.log", "wb")  # noqa: SIM115 (closed when the run ends)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(asdict(spec)),
+                   "--setting", setting.name, "--out", str(out)]
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            running[spec.name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log,
+                                  time.time())
+            print(f"[{time.strftime('%H:%M:%S')}] start {spec.name}", flush=True)
+        if not running:
+            break
+        time.sleep(0.2)
+        for name, (proc, log, t0) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[name]
+            r = _load_result(out / "runs" / f"{name}.json", setting)
+            if proc.returncode != 0 or r is None:
+                failed.add(name)
+                print(f"[{time.strftime('%H:%M:%S')}] FAILED {name} (exit {proc.returncode}); "
+                      f"see {out / 'logs' / (name + '.log')}", flush=True)
+                continue
+            r["wall_time_s"] = round(time.time() - t0, 1)
+            (out / "runs" / f"{name}.json").write_text(json.dumps(r))
+            results[name] = r
+            print(f"[{time.strftime('%H:%M:%S')}] done  {name}: final val loss {r['final_val_loss']:.4f}, "
+                  f"{r['steps']} steps, {r['wall_time_s']:.0f} s", flush=True)
+    if failed:
+        print(f"failed runs: {sorted(failed)}", file=sys.stderr)
+    return results
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def steps_to_reach(evals: dict[str, list[float]], target: float) -> float | None:
+    """Optimizer steps at which the validation curve first reaches ``target`` (linear between evaluations)."""
+    steps, losses = evals["step"], evals["val_loss"]
+    for i, loss in enumerate(losses):
+        if loss <= target:
+            if i == 0:
+                return float(steps[0])
+            s0, s1, l0, l1 = steps[i - 1], steps[i], losses[i - 1], loss
+            return s0 + (s1 - s0) * (l0 - target) / (l0 - l1) if l0 != l1 else float(s1)
+    return None
+
+
+def _interp(x: list[float], y: list[float | None], at: float) -> float | None:
+    import numpy as np
+
+    pts = [(a, b) for a, b in zip(x, y) if b is not None]
+    if not pts or at < pts[0][0] or at > pts[-1][0]:
+        return None
+    xs, ys = zip(*pts)
+    return float(np.interp(at, xs, ys))
+
+
+def _median_around(trace: dict[str, list[Any]], at: float, half_width: float) -> float | None:
+    import numpy as np
+
+    vals = [v for t, v in zip(trace["tokens"], trace["noise_scale"]) if v is not None and abs(t - at) <= half_width]
+    return float(np.median(vals)) if vals else None
+
+
+def summarise(results: dict[str, dict[str, Any]], setting: Setting, out: Path) -> dict[str, Any]:
+    """Add ``steps_to_best_constant`` to every run, build the stage comparison, write ``results.json``."""
+    best = best_constant_of(results, setting)
+    targets: dict[tuple[int, str], tuple[float, int]] = {}
+    if best is not None:
+        for r in results.values():
+            if r["schedule"] == "constant" and r["batch_tokens"] == best:
+                targets[(r["seed"], r["lr_schedule"])] = (r["final_val_loss"], r["steps"])
+    for r in results.values():
+        target = targets.get((r["seed"], r["lr_schedule"]))
+        reach = None if target is None else steps_to_reach(r["evals"], target[0])
+        r["best_constant_loss"] = None if target is None else target[0]
+        r["steps_to_best_constant"] = None if reach is None else int(round(reach))
+        r["step_saving_vs_best_constant"] = (
+            None if reach is None else round(1.0 - reach / target[1], 4)  # type: ignore[index]
+        )
+
+    # Stage by stage: the best constant batch at T tokens (constant LR after warm-up, so the
+    # loss of a constant run at T is the loss of a run with budget T) against the measured noise scale.
+    stages = []
+    s0 = setting.seeds[0]
+    consts = {b: results.get(RunSpec("constant", s0, batch_tokens=b).name) for b in setting.constants}
+    consts = {b: r for b, r in consts.items() if r is not None}
+    tracker_runs = [r for r in results.values() if r["schedule"].startswith("tracker") and r["lr_schedule"] == "constant"]
+    if consts:
+        half = 0.05 * setting.budget_tokens
+        for frac in (0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0):
+            at = frac * setting.budget_tokens
+            losses = {b: _interp(r["evals"]["tokens"], r["evals"]["val_loss"], at) for b, r in consts.items()}
+            losses = {b: v for b, v in losses.items() if v is not None}
+            if not losses:
+                continue
+            ranked = sorted(losses, key=lambda b: losses[b])
+            ns_const = {b: _median_around(r["trace"], at, half) for b, r in consts.items()}
+            ns_tracker = {r["name"]: _median_around(r["trace"], at, half) for r in tracker_runs}
+            stages.append({
+                "tokens": at,
+                "best_constant": ranked[0],
+                "runner_up": ranked[1] if len(ranked) > 1 else None,
+                "loss_gap_to_runner_up": round(losses[ranked[1]] - losses[ranked[0]], 4) if len(ranked) > 1 else None,
+                "constant_losses": {str(b): round(v, 4) for b, v in losses.items()},
+                "noise_scale_in_constant_runs": {str(b): _round(v, 3) for b, v in ns_const.items()},
+                "noise_scale_in_tracker_runs": {k: _round(v, 3) for k, v in ns_tracker.items()},
+            })
+
+    order = {s: i for i, s in enumerate(SCHEDULES)}
+    runs = sorted(results.values(), key=lambda r: (r["lr_schedule"] != "constant", order[r["schedule"]],
+                                                   r["batch_tokens"] or 0, r["seed"]))
+    summary = {
+        "setting": asdict(setting),
+        "setting_key": setting.key(),
+        "best_constant_tokens": best,
+        "runs": [{k: v for k, v in r.items() if k not in ("evals", "trace")} for r in runs],
+        "stages": stages,
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _fmt_tokens(n: float | None) -> str:
+    if n is None:
+        return "-"
+    if n >= 2**20 and n % 2**20 == 0:
+        return f"{n / 2**20:g}Mi"
+    return f"{n / 1024:g}k" if n >= 1024 else f"{n:g}"
+
+
+def table_markdown(summary: dict[str, Any]) -> str:
+    """The results table (one row per run) and the stage comparison, as Markdown."""
+    lines = [
+        "| run | schedule | LR | seed | final val loss | steps | steps to best-constant loss | tokens | wall (min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["runs"]:
+        if r["schedule"] == "constant":
+            sched = f"constant {_fmt_tokens(r['batch_tokens'])}"
+        elif r["schedule"] == "hand_ramp":
+            sched = "2k→4k→8k→16k" if summary["setting"]["name"] == "full" else "hand ramp"
+        else:
+            sched = f"{_fmt_tokens(r['start_batch_tokens'])}→{_fmt_tokens(r['final_batch_tokens'])}"
+        reach = r.get("steps_to_best_constant")
+        saving = r.get("step_saving_vs_best_constant")
+        reach_s = "not reached" if reach is None else f"{reach} ({round(-100 * saving):+d}%)"
+        lines.append(
+            f"| {r['name']} | {sched} | {r['lr_schedule']} | {r['seed']} | {r['final_val_loss']:.4f} | {r['steps']} "
+            f"| {reach_s} | {r['tokens']:.0f} | {r.get('wall_time_s', float('nan')) / 60:.1f} |"
+        )
+    if summary["stages"]:
+        lines += [
+            "",
+            "Best constant batch at each stage (argmin of the constant runs' validation loss at T tokens) "
+            "against the noise scale the tracker measured there (median over ±5% of the budget):",
+            "",
+            "| tokens | best constant (gap to runner-up) | B_simple in constant runs | B_simple in tracker runs |",
+            "|---|---|---|---|",
+        ]
+        for st in summary["stages"]:
+            gap = st["loss_gap_to_runner_up"]
+            best = f"{_fmt_tokens(st['best_constant'])} ({gap:.3f} to {_fmt_tokens(st['runner_up'])})" if gap is not None else _fmt_tokens(st["best_constant"])
+            ns_c = ", ".join(f"{_fmt_tokens(int(b))}: {_fmt_tokens(v)}" for b, v in st["noise_scale_in_constant_runs"].items() if v)
+            ns_t = ", ".join(f"{k.replace('tracker_', '').replace('_seed', ' s')}: {_fmt_tokens(v)}"
+                             for k, v in st["noise_scale_in_tracker_runs"].items() if v)
+            lines.append(f"| {_fmt_tokens(st['tokens'])} | {best} | {ns_c or '-'} | {ns_t or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def draw(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    """The picture: loss vs tokens, loss vs steps, schedules and noise scales vs tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setting = summary["setting"]
+    s0 = setting["seeds"][0]
+    runs = [r for r in results.values() if r["seed"] == s0]
+    consts = sorted((r for r in runs if r["schedule"] == "constant" and r["lr_schedule"] == "constant"),
+                    key=lambda r: r["batch_tokens"])
+    cmap = plt.get_cmap("viridis")
+    colour = {r["name"]: cmap(i / max(len(consts) - 1, 1)) for i, r in enumerate(consts)}
+    special = {"hand_ramp": "black", "tracker_default": "tab:blue", "tracker_budget": "tab:red"}
+    label = {"hand_ramp": "hand ramp", "tracker_default": "tracker (defaults)", "tracker_budget": "tracker (budget-aware)"}
+
+    def style(r: dict[str, Any]) -> dict[str, Any]:
+        ls = "--" if r["lr_schedule"] == "cosine" else "-"
+        if r["schedule"] == "constant":
+            return {"color": colour.get(r["name"], "grey"), "lw": 1.0, "ls": ls,
+                    "label": f"constant {_fmt_tokens(r['batch_tokens'])}" + (" (cosine)" if ls == "--" else "")}
+        return {"color": special[r["schedule"]], "lw": 1.8, "ls": ls,
+                "label": label[r["schedule"]] + (" (cosine)" if ls == "--" else "")}
+
+    shown = consts + [r for r in runs if r["schedule"] != "constant" or r["lr_schedule"] == "cosine"]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+    ax_tok, ax_step, ax_sched, ax_ns = axes.ravel()
+    best_loss = min((r["final_val_loss"] for r in consts), default=None)
+    for r in shown:
+        ev = r["evals"]
+        ax_tok.plot([t / 1e6 for t in ev["tokens"][1:]], ev["val_loss"][1:], **style(r))
+        ax_step.plot(ev["step"][1:], ev["val_loss"][1:], **style(r))
+    lo = min(min(r["evals"]["val_loss"]) for r in shown) if shown else 1.0
+    for ax in (ax_tok, ax_step):
+        ax.set_ylim(lo - 0.03, lo + 0.75)
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        if best_loss is not None:
+            ax.axhline(best_loss, color="grey", lw=0.8, ls=":")
+    ax_tok.set_xlabel("tokens (M)")
+    ax_tok.set_title(f"validation loss vs tokens (seed {s0}; dotted: best constant's final loss)")
+    ax_tok.legend(fontsize=7, ncol=2)
+    ax_step.set_xscale("log")
+    ax_step.set_xlabel("optimizer steps")
+    ax_step.set_title("validation loss vs optimizer steps")
+
+    for r in runs:
+        if r["schedule"] == "constant" or r["lr_schedule"] != "constant":
+            continue
+        tr = r["trace"]
+        st = style(r)
+        ax_sched.step([t / 1e6 for t in tr["tokens"]], tr["global_batch"], where="pre", color=st["color"],
+                      lw=2.2, label=f"{st['label']}: global batch")
+        ns = [(t / 1e6, v) for t, v in zip(tr["tokens"], tr["noise_scale"]) if v]
+        if ns and r["schedule"] != "hand_ramp":
+            ax_sched.plot(*zip(*ns), color=st["color"], lw=0.8, alpha=0.6, label=f"{st['label']}: measured B_simple")
+    for ax in (ax_sched, ax_ns):
+        stages = summary["stages"]
+        if stages:
+            ax.plot([s["tokens"] / 1e6 for s in stages], [s["best_constant"] for s in stages], "o", color="orange",
+                    ms=7, mec="k", label="best constant batch at that point (sweep)", zorder=5)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("tokens (M)")
+        ax.set_ylabel("tokens")
+        ax.grid(alpha=0.3, which="both")
+    ax_sched.set_title("batch schedules and the tracker's measured noise scale")
+    ax_sched.legend(fontsize=7)
+    for r in consts:
+        tr = r["trace"]
+        ns = [(t / 1e6, v) for t, v in zip(tr["tokens"], tr["noise_scale"]) if v]
+        if ns:
+            ax_ns.plot(*zip(*ns), color=colour[r["name"]], lw=0.9, label=f"B_simple measured at constant {_fmt_tokens(r['batch_tokens'])}")
+    ax_ns.set_title("noise scale measured in the constant-batch runs")
+    ax_ns.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/proof", help="output folder (default runs/proof)")
+    p.add_argument("--quick", action="store_true", help="tiny model and budget: a smoke test")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each; default 2)")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated schedules to run now ({', '.join(SCHEDULES)}, cosine); default all")
+    p.add_argument("--force", action="store_true", help="rerun runs that already have results")
+    p.add_argument("--report-only", action="store_true", help="run nothing; rebuild the table, JSON and PNG")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--setting", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = Path(args.out)
+    if args.worker is not None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        spec = RunSpec(**json.loads(args.worker))
+        r = train_run(spec, SETTINGS[args.setting], out)
+        print(f"{spec.name}: final val loss {r['final_val_loss']:.4f} after {r['steps']} steps, {r['tokens']:.0f} tokens")
+        return 0
+    setting = QUICK if args.quick else FULL
+    if args.jobs < 1:
+        print(f"--jobs={args.jobs}: must be >= 1", file=sys.stderr)
+        return 2
+    only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
+    unknown = (only or set()) - set(SCHEDULES) - {"cosine"}
+    if unknown:
+        print(f"--only: unknown {sorted(unknown)}; expected some of {list(SCHEDULES) + ['cosine']}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    budget_mode = budget_mode_available()
+    if not budget_mode:
+        print("note: this cbs_tracker has no budget-aware controller mode (BatchSizeController(budget_tokens=)); "
+              "the tracker_budget runs are skipped", file=sys.stderr)
+    t0 = time.time()
+    if args.report_only:
+        results = {}
+        for path in sorted((out / "runs").glob("*.json")):
+            r = _load_result(path, setting)
+            if r is not None:
+                results[r["name"]] = r
+    else:
+        results = run_all(setting, out, jobs=args.jobs, only=only, force=args.force, budget_mode=budget_mode)
+    if not results:
+        print("no results", file=sys.stderr)
+        return 1
+    summary = summarise(results, setting, out)
+    table = table_markdown(summary)
+    (out / "table.md").write_text(table)
+    draw(results, summary, out / "proof.png")
+    print(table)
+    print(f"setting {setting.name} ({setting.key()}), budget {setting.budget_tokens} tokens; "
+          f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'proof.png'}, {out / 'tb'}/ "
+          f"in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Smoke test of the proof experiment (examples/gpt_proof.py): ``--quick`` end to end, outputs and schema.
+
+The quick setting (1-layer width-32 GPT, context 32, 32,768-token budget, one seed)
+runs every kind of run the full experiment has, two at a time in subprocesses,
+in about 20 s on two idle cores. The checks compare the outputs with what the
+setting implies independently (the hand ramp's step counts, the budget, the
+shared initialisation), not with the script's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "gpt_proof.py"
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpt_proof", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpt_proof"] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+proof = _load_script()
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("proof")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def _results(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+def test_steps_to_reach_interpolates_between_evaluations() -> None:
+    evals = {"step": [0, 10, 20, 30], "val_loss": [5.0, 3.0, 2.0, 1.5]}
+    assert proof.steps_to_reach(evals, 2.5) == pytest.approx(15.0)
+    assert proof.steps_to_reach(evals, 2.0) == pytest.approx(20.0)
+    assert proof.steps_to_reach(evals, 6.0) == 0.0
+    assert proof.steps_to_reach(evals, 1.0) is None
+
+
+def test_learning_rate_warmup_constant_and_cosine() -> None:
+    s = proof.FULL
+    assert proof.lr_at(s, "constant", s.warmup_tokens / 2) == pytest.approx(s.lr / 2)
+    assert proof.lr_at(s, "constant", s.budget_tokens) == pytest.approx(s.lr)
+    assert proof.lr_at(s, "cosine", s.warmup_tokens) == pytest.approx(s.lr)
+    mid = (s.warmup_tokens + s.budget_tokens) / 2
+    assert proof.lr_at(s, "cosine", mid) == pytest.approx(s.lr * (1 + s.min_lr_ratio) / 2)
+    assert proof.lr_at(s, "cosine", s.budget_tokens) == pytest.approx(s.lr * s.min_lr_ratio)
+
+
+def test_full_hand_ramp_is_2k_4k_8k_16k_at_half_quarter_15_10_percent() -> None:
+    s = proof.FULL
+    budget = s.budget_tokens
+    assert proof.ramp_batch(s, 0) == 2048
+    assert proof.ramp_batch(s, 0.5 * budget - 2048) == 2048
+    assert proof.ramp_batch(s, 0.5 * budget) == 4096
+    assert proof.ramp_batch(s, 0.75 * budget) == 8192
+    assert proof.ramp_batch(s, 0.90 * budget) == 16384
+    # every global batch of the full setting is micro * A with A >= 2
+    for batch in (*s.constants, *(b for b, _ in s.ramp)):
+        assert batch % (s.micro_sequences * s.seq_len) == 0 and batch // (s.micro_sequences * s.seq_len) >= 2
+    assert s.tracker_start_tokens // (s.tracker_micro_sequences * s.seq_len) == 2
+
+
+# ---------------------------------------------------------------------------- the quick run
+
+
+def test_quick_run_writes_every_output(quick_run: Path) -> None:
+    for name in ("results.json", "table.md", "proof.png"):
+        assert (quick_run / name).is_file(), name
+    assert (quick_run / "proof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (quick_run / "table.md").read_text()
+    for run in _results(quick_run)["runs"]:
+        assert f"| {run['name']} |" in table
+
+
+def test_results_schema_and_planned_runs(quick_run: Path) -> None:
+    res = _results(quick_run)
+    s = proof.QUICK
+    assert res["setting_key"] == s.key()
+    runs = {r["name"]: r for r in res["runs"]}
+    best = res["best_constant_tokens"]
+    assert best in s.constants
+    expected = {f"constant_{b}_seed0" for b in s.constants} | {
+        "hand_ramp_seed0", "tracker_default_seed0", "hand_ramp_cosine_seed0", f"constant_{best}_cosine_seed0",
+    }
+    if proof.budget_mode_available():
+        expected |= {"tracker_budget_seed0", "tracker_budget_cosine_seed0"}
+    assert set(runs) == expected
+    for r in runs.values():
+        assert r["schedule"] in proof.SCHEDULES
+        assert isinstance(r["seed"], int)
+        assert isinstance(r["steps"], int) and r["steps"] > 0
+        assert isinstance(r["final_val_loss"], float) and math.isfinite(r["final_val_loss"])
+        assert r["steps_to_best_constant"] is None or isinstance(r["steps_to_best_constant"], int)
+        assert 0 < r["tokens"] <= s.budget_tokens
+    # the best constant reaches its own final loss at its last step, by definition
+    assert runs[f"constant_{best}_seed0"]["steps_to_best_constant"] == runs[f"constant_{best}_seed0"]["steps"]
+    assert min(r["final_val_loss"] for r in runs.values() if r["name"].startswith("constant_")
+               and r["lr_schedule"] == "constant") == runs[f"constant_{best}_seed0"]["final_val_loss"]
+    assert res["stages"] and all(st["best_constant"] in s.constants for st in res["stages"])
+
+
+def test_schedules_consume_the_budget_as_planned(quick_run: Path) -> None:
+    s = proof.QUICK
+    runs = {r["name"]: r for r in _results(quick_run)["runs"]}
+    for b in s.constants:
+        r = runs[f"constant_{b}_seed0"]
+        assert (r["tokens"], r["steps"]) == (s.budget_tokens, s.budget_tokens // b)
+    # hand ramp: fraction f of the budget at batch b is f * budget / b steps
+    ramp = runs["hand_ramp_seed0"]
+    assert ramp["tokens"] == s.budget_tokens
+    assert ramp["steps"] == sum(round(f * s.budget_tokens / b) for b, f in s.ramp)
+    assert [c["to"] for c in ramp["batch_changes"]] == [b for b, _ in s.ramp[1:]]
+    tracker = runs["tracker_default_seed0"]
+    assert tracker["start_batch_tokens"] == s.tracker_start_tokens
+    # a tracker run stops before it would pass the budget: short by less than one batch
+    assert s.budget_tokens - tracker["final_batch_tokens"] < tracker["tokens"] <= s.budget_tokens
+
+
+def test_same_seed_same_initialisation_and_tensorboard_logs(quick_run: Path) -> None:
+    from cbs_tracker.commands.plot import read_cbs_scalars
+
+    runs = {}
+    for path in (quick_run / "runs").glob("*.json"):
+        r = json.loads(path.read_text())
+        runs[r["name"]] = r
+    # evaluation at step 0 is before any update: one number for every run of a seed
+    assert len({r["evals"]["val_loss"][0] for r in runs.values() if r["seed"] == 0}) == 1
+    scalars = read_cbs_scalars(quick_run / "tb")
+    assert {Path(k).name for k in scalars} == set(runs)
+    for key, tags in scalars.items():
+        r = runs[Path(key).name]
+        steps, batches = tags["cbs/global_batch_tokens"]
+        assert len(steps) == r["steps"]
+        assert batches.sum() == pytest.approx(r["tokens"])
+        if r["schedule"] == "constant":
+            assert set(batches.tolist()) == {r["batch_tokens"]}
+        assert "cbs/noise_scale" in tags
+
+
+def test_report_only_rebuilds_the_same_results(quick_run: Path) -> None:
+    before = _results(quick_run)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(quick_run), "--report-only"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _results(quick_run) == before
