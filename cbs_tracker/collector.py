@@ -116,7 +116,8 @@ class GradStatsCollector:
         self._partials: list[torch.Tensor] = []
         self._skipped = False
         self._micro_sq: list[torch.Tensor] = []
-        self._micro_size: list[torch.Tensor] = []
+        # sizes given as numbers stay on the host until the step (no copy per microbatch)
+        self._micro_size: list[torch.Tensor | float] = []
         self.window_unmeasurable = False
         if register:
             for p in params:
@@ -174,7 +175,7 @@ class GradStatsCollector:
             sq = torch.zeros((), dtype=torch.float32)
         self._partials = []
         self._micro_sq.append(sq)
-        self._micro_size.append(torch.as_tensor(size, dtype=torch.float32, device=sq.device))
+        self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
 
     @property
     def num_microbatches(self) -> int:
@@ -194,7 +195,10 @@ class GradStatsCollector:
         if not self._micro_sq:
             return torch.zeros(4, dtype=torch.float64, device=device)
         sq = torch.stack([t.to(device) for t in self._micro_sq]).double()
-        size = torch.stack([t.to(device) for t in self._micro_size]).double()
+        host = [float(v) for v in self._micro_size if not isinstance(v, torch.Tensor)]
+        on_device = [v.to(device).double() for v in self._micro_size if isinstance(v, torch.Tensor)]
+        parts = on_device + ([torch.tensor(host, dtype=torch.float64, device=device)] if host else [])
+        size = torch.cat([t.reshape(-1) for t in parts])
         inv = torch.where(size > 0, 1.0 / size.clamp_min(1e-30), torch.zeros_like(size))
         count = torch.tensor(float(len(self._micro_sq)), dtype=torch.float64, device=device)
         return torch.stack([sq.sum(), count, inv.sum(), size.sum()])
