@@ -1,0 +1,252 @@
+"""Models, data and callbacks for the Lightning tests (module level, so spawned ranks can import them).
+
+Kept out of the test module: ``ddp_spawn`` pickles the LightningModule and the
+callbacks into its child processes, which import them by module name
+(DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+D_IN = 8
+
+
+# ---------------------------------------------------------------------------- data
+def regression_data(n: int, *, seed: int = 0, sigma: float = 0.5) -> torch.utils.data.TensorDataset:
+    """``y = x . w* + sigma * eps`` with ``x ~ N(0, I_8)`` (DESIGN §2, "Ground truth")."""
+    g = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(D_IN, generator=g)
+    x = torch.randn(n, D_IN, generator=g)
+    y = x @ w_star + sigma * torch.randn(n, generator=g)
+    return torch.utils.data.TensorDataset(x, y[:, None])
+
+
+class RankSlice(torch.utils.data.Sampler[int]):
+    """Rank ``r`` of ``R`` sees samples ``r, r + R, r + 2R, ...`` in order (no shuffling).
+
+    The rank is read when iterating, inside the spawned process. Lightning's own
+    ``DistributedSampler`` always shuffles training data, so the DDP test passes
+    ``Trainer(use_distributed_sampler=False)`` and this sampler instead.
+    """
+
+    def __init__(self, n: int, ranks: int) -> None:
+        self.n, self.ranks = n, ranks
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return iter(range(rank, self.n, self.ranks))
+
+    def __len__(self) -> int:
+        return len(range(0, self.n, self.ranks))
+
+
+class InterleavedBatches(torch.utils.data.Sampler[list[int]]):
+    """The batches ``ddp_spawn`` with ``ranks`` ranks runs, in one process, rank-interleaved.
+
+    With :class:`RankSlice`, rank ``r`` sees samples ``r, r + R, r + 2R, ...``,
+    batched by ``batch_size``. This sampler yields
+    rank 0's batch 0, rank 1's batch 0, rank 0's batch 1, ... so that a single process
+    with ``R`` times the accumulation holds exactly the microbatches of one DDP step
+    in each window.
+    """
+
+    def __init__(self, n: int, batch_size: int, ranks: int) -> None:
+        self.n, self.batch_size, self.ranks = n, batch_size, ranks
+
+    def _order(self) -> list[list[int]]:
+        per_rank = [list(range(r, self.n, self.ranks)) for r in range(self.ranks)]
+        batches = []
+        for j in range(0, len(per_rank[0]), self.batch_size):
+            for r in range(self.ranks):
+                batches.append(per_rank[r][j : j + self.batch_size])
+        return batches
+
+    def __iter__(self):
+        return iter(self._order())
+
+    def __len__(self) -> int:
+        return len(self._order())
+
+
+# ---------------------------------------------------------------------------- model
+class Regression(pl.LightningModule):
+    """``Linear(8, 1)`` with the mean squared error of its microbatch, SGD."""
+
+    def __init__(self, lr: float = 0.05, *, seed: int = 0, scheduler: str | None = None, manual: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Linear(D_IN, 1)
+        self.lr = lr
+        self.scheduler = scheduler
+        self.automatic_optimization = not manual
+
+    def loss(self, batch: Any, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x) if params is None else torch.func.functional_call(self.net, params, (x,))
+        return nn.functional.mse_loss(out.float(), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = self.loss(batch)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return None
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.scheduler == "onecycle":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.trainer.estimated_stepping_batches)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.scheduler == "cosine":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=int(self.trainer.estimated_stepping_batches))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.scheduler == "warmup":
+            sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return opt
+
+
+class ToyLM(pl.LightningModule):
+    """Embedding -> Linear next-token model with ``ignore_index=-100`` labels (token counting)."""
+
+    def __init__(self, vocab: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, 8)
+        self.head = nn.Linear(8, vocab)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.head(self.emb(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+# ---------------------------------------------------------------------------- controllers
+class PlanController:
+    """Deterministic stand-in for a controller: ``plan[step]`` is the new accumulation decided at ``step``."""
+
+    observe_only = False
+
+    def __init__(self, plan: dict[int, int]) -> None:
+        self.plan = dict(plan)
+        self.calls: list[dict[str, Any]] = []
+
+    def update(self, *, step, tokens_seen, global_batch, accumulation_steps, noise_scale):
+        self.calls.append(dict(step=step, tokens_seen=tokens_seen, global_batch=global_batch,
+                               accumulation_steps=accumulation_steps, noise_scale=noise_scale))
+        new = self.plan.get(step)
+        return types.SimpleNamespace(
+            accumulation_steps=accumulation_steps if new is None else new, changed=new is not None,
+            critical_batch=None if noise_scale is None else 2.0 * noise_scale, lr_factor=1.0, reason="plan",
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- observers
+class Recorder(pl.Callback):
+    """Per optimizer step: the CBS record, Lightning's accumulation and the microbatches run.
+
+    Place it after the CBSCallback. With ``out_dir`` each rank writes ``rank{r}.json``
+    at the end of fit (the parent process of ``ddp_spawn`` sees none of this state).
+    """
+
+    def __init__(self, cbs: Any, out_dir: str | None = None) -> None:
+        self.cbs = cbs
+        self.out_dir = out_dir
+        self.rows: list[dict[str, Any]] = []
+        self._micro = 0
+        self._samples = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._micro += 1
+        self._samples += int(batch[0].shape[0])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        rec = self.cbs.last_record
+        self.rows.append(dict(
+            epoch=trainer.current_epoch,
+            batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
+            lightning_accumulation=int(trainer.accumulate_grad_batches),
+            microbatches=self._micro,
+            samples=self._samples,
+            record=asdict(rec),
+            decision_changed=bool(getattr(self.cbs.last_decision, "changed", False)),
+        ))
+        self._micro = 0
+        self._samples = 0
+
+    def on_fit_end(self, trainer, pl_module):
+        if self.out_dir is not None:
+            path = os.path.join(self.out_dir, f"rank{trainer.global_rank}.json")
+            with open(path, "w") as f:
+                json.dump({"rows": self.rows, "applied": self.cbs.applied_changes,
+                           "world_size": trainer.world_size}, f)
+
+
+class GradCheck(pl.Callback):
+    """Recomputes, with autograd on the same batches, the ideal mean gradient of every window.
+
+    At each optimizer step (after the CBSCallback in the callback list, so after any
+    rescaling) it stores what the optimizer is about to use (``p.grad``) next to
+    ``mean_k grad(loss_k)`` over the microbatches run since the previous step, computed
+    at the same weights under the same autocast, and the reference squared norms
+    ``mean_k |grad(loss_k)|^2`` and ``|mean_k grad(loss_k)|^2``.
+    """
+
+    def __init__(self, cbs: Any) -> None:
+        self.cbs = cbs
+        self.window: list[Any] = []
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.window.append([t.detach().clone() for t in batch])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        names = [n for n, _ in pl_module.net.named_parameters()]
+        got = torch.cat([p.grad.detach().flatten().clone() for p in pl_module.net.parameters()])
+        grads = []
+        for batch in self.window:
+            params = {n: p.detach().clone().requires_grad_(True) for n, p in pl_module.net.named_parameters()}
+            with trainer.precision_plugin.forward_context():
+                loss = pl_module.loss(batch, params)
+            g = torch.autograd.grad(loss, [params[n] for n in names])
+            grads.append(torch.cat([t.flatten().float() for t in g]))
+        stacked = torch.stack(grads)
+        mean = stacked.mean(0)
+        stats = self.cbs.last_stats
+        self.rows.append(dict(
+            microbatches=len(self.window),
+            lightning_accumulation=int(trainer.accumulate_grad_batches),
+            got=got,
+            mean=mean,
+            ref_small=float(stacked.double().pow(2).sum(1).mean()),
+            ref_big=float(mean.double().pow(2).sum()),
+            cbs_small=stats.small_sq_norm,
+            cbs_big=stats.big_sq_norm,
+            cbs_k=stats.num_microbatches,
+            finite=bool(torch.isfinite(got).all()),
+            dropped=self.cbs.last_record.dropped,
+        ))
+        self.window = []
