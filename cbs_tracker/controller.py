@@ -30,7 +30,16 @@ next window (a :class:`Decision`). DESIGN §4 describes the policy; the rules ar
   rest of the run, says so in :attr:`Decision.reason` and warns once;
 * the learning-rate coupling at a change: ``keep`` (default), ``sqrt`` (Adam) or
   ``linear`` (SGD); :func:`apply_lr_factor` applies it to an optimizer and its
-  scheduler.
+  scheduler;
+* budget-aware mode (``budget_tokens=...``): the batch is the larger of what the
+  rules above reach (following the measured critical batch early, as OLMo's
+  batch-size warm-up does, then holding) and the power-of-two plan of the
+  functional-scaling-law optimum for the remaining budget
+  (:func:`cbs_tracker.schedule.plan_doubling`: "hold, then ramp late", DESIGN §6–7).
+  No gradient statistic can time the late doublings (they act like a learning-rate
+  decay whose timing depends on the budget); the plan does, from the budget, the
+  starting batch, the largest batch and three priors (``plan_s``, ``plan_beta``,
+  ``plan_floor_ratio``).
 
 Sizes are in the caller's unit (loss-contributing tokens for a language model,
 samples elsewhere): ``global_batch``, ``tokens_seen``, ``noise_scale``,
@@ -41,6 +50,7 @@ defaults fit a 16-sample regression and a 4M-token pretraining batch.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import warnings
@@ -82,6 +92,8 @@ class Decision:
         reason: short text for logs.
         feedback_trap: the controller found that the noise scale follows the batch
             and stopped growing (stays ``True`` from then on).
+        planned_batch: budget-aware mode: the plan's batch at this step's tokens
+            (``None`` without a budget).
     """
 
     step: int
@@ -93,6 +105,7 @@ class Decision:
     lr_factor: float
     reason: str
     feedback_trap: bool = False
+    planned_batch: float | None = None
 
 
 def _check_positive(name: str, value: Any, *, allow_none: bool = False, integer: bool = False,
@@ -150,7 +163,25 @@ class BatchSizeController:
         feedback_ratio: after a doubling, the trap is declared when the median noise scale
             grew by at least this factor more than the trend seen before the doubling
             would explain. A noise scale that follows the batch doubles (2.0), one that
-            describes the landscape stays (1.0). Default 1.5.
+            describes the landscape stays (1.0). Default 1.4 (about sqrt(2), the geometric
+            midpoint; the first check after a doubling sees a smoothed estimate that has
+            not fully refreshed, so a trap reads below 2).
+        budget_tokens: the planned total units of the run (tokens for a language model).
+            ``None`` (default): budget-unaware. When set, the batch never falls below
+            the plan of :func:`cbs_tracker.schedule.plan_doubling` computed once, at the
+            first update, with ``b_min`` = the starting batch and ``b_max`` = the largest
+            batch the caps allow; a plan change takes effect at once (no patience, no
+            cool-down, not subject to the feedback check). Growth from the measured
+            critical batch works as without a budget. After a feedback trap the
+            controller returns to the plan's batch (the doubling that revealed the trap
+            was not the landscape's doing, and the plan times the growth from there).
+        plan_s: source exponent ``s`` of the plan (default 0.5: the hard regime of language
+            models; the seed's NQM measures 0.49).
+        plan_beta: capacity exponent ``beta`` of the plan (default 2.0; NQM: 1.96).
+        plan_floor_ratio: the plan's one free scale: a run held at the starting batch
+            would level off at this fraction of its initial excess loss (default 0.5:
+            the starting batch is well below the critical batch, where the gradient noise
+            sets half the loss; :meth:`cbs_tracker.schedule.ScalingLaw.from_noise_floor`).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -176,7 +207,11 @@ class BatchSizeController:
         observe_only: bool = False,
         lr_scaling: LRScaling = "keep",
         feedback_guard: bool = True,
-        feedback_ratio: float = 1.5,
+        feedback_ratio: float = 1.4,
+        budget_tokens: float | None = None,
+        plan_s: float = 0.5,
+        plan_beta: float = 2.0,
+        plan_floor_ratio: float = 0.5,
     ) -> None:
         _check_positive("kappa", kappa)
         _check_positive("min_batch", min_batch, allow_none=True)
@@ -189,6 +224,15 @@ class BatchSizeController:
         _check_positive("cooldown_tokens", cooldown_tokens, allow_none=True, allow_zero=True)
         _check_positive("max_accumulation_steps", max_accumulation_steps, allow_none=True, integer=True)
         _check_positive("feedback_ratio", feedback_ratio)
+        _check_positive("budget_tokens", budget_tokens, allow_none=True)
+        _check_positive("plan_s", plan_s)
+        _check_positive("plan_beta", plan_beta)
+        _check_positive("plan_floor_ratio", plan_floor_ratio)
+        if plan_beta <= 1.0:
+            raise ValueError(
+                f"BatchSizeController(plan_beta={plan_beta!r}): must be > 1 (the capacity exponent; "
+                "the noise kernel must be summable)"
+            )
         for name, flag in (("allow_shrink", allow_shrink), ("observe_only", observe_only),
                            ("feedback_guard", feedback_guard)):
             if not isinstance(flag, bool):
@@ -222,6 +266,11 @@ class BatchSizeController:
         self.lr_scaling: LRScaling = lr_scaling
         self.feedback_guard = feedback_guard
         self.feedback_ratio = float(feedback_ratio)
+        self.budget_tokens = None if budget_tokens is None else float(budget_tokens)
+        self.plan_s = float(plan_s)
+        self.plan_beta = float(plan_beta)
+        self.plan_floor_ratio = float(plan_floor_ratio)
+        self._plan: Any = None  # the DoublingPlan, rebuilt from _plan_anchor on demand
         self._reset_state()
 
     # ------------------------------------------------------------------ state
@@ -245,12 +294,15 @@ class BatchSizeController:
         self._trap_ns_before = 0.0  # median noise scale that triggered the doubling
         self._trap_tokens_before = 0.0  # tokens_seen at that decision
         self._trap_slope = 0.0  # d log(noise scale) / d tokens before the doubling (>= 0)
+        self._trap_span = 0.0  # tokens over which that slope was measured
         # Anchor for the pre-doubling trend: a median and its tokens, retaken whenever a
         # window of measurements is complete after a change (or after the start).
         self._anchor_ns = 0.0
         self._anchor_tokens = 0.0
         self._anchor_set = False
         self._warned_trap = False
+        self._plan_anchor = 0.0  # starting batch the plan was built from (budget mode)
+        self._plan = None
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's resumable state: fixed keys, plain numbers, a version.
@@ -278,10 +330,12 @@ class BatchSizeController:
             "trap_ns_before": self._trap_ns_before,
             "trap_tokens_before": self._trap_tokens_before,
             "trap_slope": self._trap_slope,
+            "trap_span": self._trap_span,
             "anchor_ns": self._anchor_ns,
             "anchor_tokens": self._anchor_tokens,
             "anchor_set": int(self._anchor_set),
             "warned_trap": int(self._warned_trap),
+            "plan_anchor_batch": self._plan_anchor,
         }
 
     _REQUIRED_KEYS = (
@@ -330,10 +384,12 @@ class BatchSizeController:
         self._trap_ns_before = float(state.get("trap_ns_before", 0.0))
         self._trap_tokens_before = float(state.get("trap_tokens_before", 0.0))
         self._trap_slope = float(state.get("trap_slope", 0.0))
+        self._trap_span = float(state.get("trap_span", 0.0))
         self._anchor_ns = float(state.get("anchor_ns", 0.0))
         self._anchor_tokens = float(state.get("anchor_tokens", 0.0))
         self._anchor_set = bool(state.get("anchor_set", 0))
         self._warned_trap = bool(state.get("warned_trap", 0))
+        self._plan_anchor = float(state.get("plan_anchor_batch", 0.0))
 
     # ------------------------------------------------------------ properties
     @property
@@ -445,6 +501,12 @@ class BatchSizeController:
                     f"BatchSizeController: starting global_batch={global_batch:g} exceeds "
                     f"max_batch={self.max_batch:g}"
                 )
+            if self.budget_tokens is not None and self.budget_tokens < global_batch:
+                raise ValueError(
+                    f"BatchSizeController(budget_tokens={self.budget_tokens:g}): smaller than the "
+                    f"starting global_batch={global_batch:g}"
+                )
+            self._plan_anchor = float(global_batch)
         self._steps += 1
         self._last_step = step
         self._last_tokens = float(tokens_seen)
@@ -472,17 +534,26 @@ class BatchSizeController:
         if full and not self._anchor_set and median is not None:
             self._anchor_set, self._anchor_ns, self._anchor_tokens = True, median, float(tokens_seen)
 
+        planned_exp = self._planned_exponent(float(tokens_seen))
+        planned = None if planned_exp is None else self._batch_at_anchor(planned_exp)
+
         def hold(reason: str) -> Decision:
             return Decision(
                 step=step, accumulation_steps=current, global_batch=self._batch(self._exponent),
                 changed=False, critical_batch=critical, decision_noise_scale=median,
-                lr_factor=1.0, reason=reason, feedback_trap=self.feedback_trap,
+                lr_factor=1.0, reason=reason, feedback_trap=self.feedback_trap, planned_batch=planned,
             )
 
         if self.observe_only:
             return hold("observe-only")
         if self._pending:
             return hold(f"pending: waiting for accumulation_steps={current} to take effect")
+        if planned_exp is not None and planned_exp > self._exponent:
+            # the budget's plan is ahead of the measured level: follow it now
+            return self._change_to(
+                planned_exp, step, critical, median, planned,
+                f"plan: {planned:.4g} at {tokens_seen:.4g} of {self.budget_tokens:.4g} budget units",
+            )
         if median is None:
             return hold("no measurement yet")
 
@@ -494,6 +565,13 @@ class BatchSizeController:
         # Feedback check of the last doubling, once its cool-down has passed.
         if self._trap_state == _TRAP_ARMED and not in_cooldown and full:
             self._check_trap(median, float(tokens_seen), step)
+            if self._trap_state == _TRAP_TRIPPED and planned_exp is not None:
+                back = max(planned_exp, self._exponent - 1)
+                if back < self._exponent:
+                    return self._change_to(
+                        back, step, critical, median, planned,
+                        "feedback trap: the noise scale follows the batch; back to the budget's plan",
+                    )
 
         grow_at = 2.0 * batch * (1.0 + self.margin)
         shrink_at = batch / (2.0 * (1.0 + self.margin))
@@ -522,51 +600,102 @@ class BatchSizeController:
             why_not = self._can_grow()
             if why_not is not None:
                 return hold(why_not)
-            return self._change(+1, step, float(tokens_seen), critical, median, target, grow_at)
+            return self._change_to(
+                self._exponent + 1, step, critical, median, planned,
+                f"grow {batch:.4g} -> {2 * batch:.4g}: critical batch {target:.4g} >= {grow_at:.4g} "
+                f"for {self.patience} measurements",
+                arm_trap=True,
+            )
         if self._shrink_count >= self.patience:
             why_not = self._can_shrink()
-            if why_not is None:
-                return self._change(-1, step, float(tokens_seen), critical, median, target, shrink_at)
+            if why_not is None and (planned_exp is None or planned_exp < self._exponent):
+                return self._change_to(
+                    self._exponent - 1, step, critical, median, planned,
+                    f"shrink {batch:.4g} -> {batch / 2:.4g}: critical batch {target:.4g} < {shrink_at:.4g} "
+                    f"for {self.patience} measurements",
+                )
         if self.kappa * median >= grow_at:  # would grow but for a cap: say which
             why_not = self._can_grow()
             if why_not is not None:
                 return hold(why_not)
         return hold("hold")
 
-    def _change(self, direction: int, step: int, tokens: float, critical: float | None,
-                median: float, target: float, threshold: float) -> Decision:
+    def _change_to(self, exponent: int, step: int, critical: float | None, median: float | None,
+                   planned: float | None, reason: str, *, arm_trap: bool = False) -> Decision:
         old_batch = self._batch(self._exponent)
-        self._exponent += direction
+        self._exponent = exponent
         new_acc = self._accum(self._exponent)
         new_batch = self._batch(self._exponent)
         self._pending = True
         self._grow_count = self._shrink_count = 0
-        if direction > 0 and self.feedback_guard and self._trap_state != _TRAP_TRIPPED:
-            slope = 0.0
-            if self._anchor_set and tokens > self._anchor_tokens and self._anchor_ns > 0:
-                slope = max(0.0, math.log(median / self._anchor_ns) / (tokens - self._anchor_tokens))
-            self._trap_state = _TRAP_ARMED
-            self._trap_ns_before, self._trap_tokens_before, self._trap_slope = median, tokens, slope
-        verb = "grow" if direction > 0 else "shrink"
-        cmp = ">=" if direction > 0 else "<"
-        reason = (
-            f"{verb} {old_batch:.4g} -> {new_batch:.4g}: critical batch {target:.4g} {cmp} "
-            f"{threshold:.4g} for {self.patience} measurements"
-        )
+        if self._trap_state != _TRAP_TRIPPED:
+            # only a doubling the measurement asked for is checked; a plan change or a
+            # shrink in between would confound the comparison
+            self._trap_state = _TRAP_IDLE
+            if arm_trap and self.feedback_guard and median is not None:
+                slope, span = 0.0, 0.0
+                if self._anchor_set and self._last_tokens > self._anchor_tokens and self._anchor_ns > 0:
+                    span = self._last_tokens - self._anchor_tokens
+                    slope = max(0.0, math.log(median / self._anchor_ns) / span)
+                self._trap_state = _TRAP_ARMED
+                self._trap_ns_before, self._trap_tokens_before = median, self._last_tokens
+                self._trap_slope, self._trap_span = slope, span
         _log.info("BatchSizeController step %d: %s", step, reason)
         return Decision(
             step=step, accumulation_steps=new_acc, global_batch=new_batch, changed=True,
             critical_batch=critical, decision_noise_scale=median,
             lr_factor=self._lr_factor(new_batch / old_batch), reason=reason,
-            feedback_trap=self.feedback_trap,
+            feedback_trap=self.feedback_trap, planned_batch=planned,
         )
+
+    # ------------------------------------------------------------ budget plan
+    def _batch_at_anchor(self, exponent: int) -> float:
+        return self._plan_anchor * 2.0**exponent
+
+    def _plan_top_exponent(self) -> int:
+        """Largest exponent the caps allow (the plan's ``b_max`` rung)."""
+        top = 0
+        while self._accum(top + 1) <= self._max_accum() and (
+            self.max_batch is None or self._plan_anchor * 2.0 ** (top + 1) <= self.max_batch * (1 + 1e-9)
+        ):
+            top += 1
+        return top
+
+    def build_plan(self) -> Any:
+        """The budget's :class:`~cbs_tracker.schedule.DoublingPlan` (``None`` without a budget or before the first update).
+
+        ``plan_doubling(budget_tokens, start batch, largest allowed batch, plan_s,
+        plan_beta, floor_ratio=plan_floor_ratio)``, cached. Needs numpy.
+        """
+        if self.budget_tokens is None or not self._started:
+            return None
+        if self._plan is None:
+            from cbs_tracker.schedule import plan_doubling
+
+            top = self._plan_top_exponent()
+            self._plan = plan_doubling(
+                self.budget_tokens, self._plan_anchor, self._batch_at_anchor(top),
+                self.plan_s, self.plan_beta, floor_ratio=self.plan_floor_ratio,
+            )
+        return self._plan
+
+    def _planned_exponent(self, tokens: float) -> int | None:
+        plan = self.build_plan()
+        if plan is None:
+            return None
+        # same rule as DoublingPlan.batch_at_tokens, without numpy on every step
+        batch = float(plan.batches[bisect.bisect_right(plan.switch_tokens, tokens)])
+        return max(0, int(round(math.log2(batch / self._plan_anchor))))
 
     def _check_trap(self, median: float, tokens: float, step: int) -> None:
         growth = median / self._trap_ns_before
-        # A trend over-estimated from noise can hide a trap at this doubling; the next
-        # doubling's trend is then measured at the batch that is already in the trap (flat
-        # noise scale), so the trap is caught there at the latest.
-        trend = math.exp(self._trap_slope * (tokens - self._trap_tokens_before))
+        # The trend is extrapolated no further than the span it was measured on: an early
+        # transient (an estimator filling up, an iterate settling on its noise floor) rises
+        # fast and then flattens. A trend over-estimated from noise can still hide a trap
+        # at this doubling; the next doubling's trend is then measured at a batch already
+        # in the trap (flat noise scale), so the trap is caught there at the latest.
+        span = min(tokens - self._trap_tokens_before, self._trap_span)
+        trend = math.exp(self._trap_slope * span)
         excess = growth / trend
         if excess >= self.feedback_ratio:
             self._trap_state = _TRAP_TRIPPED
@@ -574,9 +703,9 @@ class BatchSizeController:
                 f"BatchSizeController step {step}: after doubling the batch, the measured noise scale "
                 f"grew x{growth:.2f} (x{excess:.2f} beyond its earlier trend): it follows the batch "
                 "itself (the feedback trap, DESIGN §4), so it says nothing about the critical batch "
-                "here. Growth stopped for the rest of the run."
+                "here. Growth from the noise scale stopped for the rest of the run."
             )
-            _log.warning(msg)
+            _log.info(msg)
             if not self._warned_trap:
                 self._warned_trap = True
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
