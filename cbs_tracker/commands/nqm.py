@@ -55,16 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
 def format_table(comp: Comparison) -> str:
     """The comparison as aligned text lines."""
     e = comp.exponents
+    width = max(14, *(len(r.name) for r in comp.rows))
     lines = [
         f"NQM, budget D={comp.budget:.4g} samples, B in [{comp.b_min:g}, {comp.b_max:g}]; "
         f"measured s={e.s:.3f} (T in {e.s_window[0]:g}..{e.s_window[1]:g}), "
         f"beta={e.beta:.3f} (lags {e.beta_window[0]:g}..{e.beta_window[1]:g}), "
         f"1-1/beta={1 - 1 / e.beta:.3f}",
-        f"{'schedule':<14} {'final loss':>11} {'x lower':>8} {'vs opt':>7} {'steps':>8}  description",
+        f"{'schedule':<{width}} {'final loss':>11} {'x lower':>8} {'vs opt':>7} {'steps':>8}  description",
     ]
     for r in comp.rows:
         lines.append(
-            f"{r.name:<14} {r.final_loss:>11.6f} {comp.ratio_vs_constant(r.name):>7.2f}x "
+            f"{r.name:<{width}} {r.final_loss:>11.6f} {comp.ratio_vs_constant(r.name):>7.2f}x "
             f"{comp.ratio_vs_optimal(r.name):>7.3f} {r.steps:>8d}  {r.label}"
         )
     lines.append("x lower = L(best constant) / L(row); vs opt = L(row) / L(optimal)")
