@@ -614,3 +614,115 @@ def test_controller_module_does_not_import_torch():
     code = "import sys, cbs_tracker.controller; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- budget-aware mode
+def _plan(budget, b_min, b_max):
+    from cbs_tracker.schedule import plan_doubling
+
+    return plan_doubling(budget, b_min, b_max, 0.5, 2.0, floor_ratio=0.5)
+
+
+def _batches_and_tokens(decisions, micro=MICRO, a0=1):
+    """(batch of each step, tokens consumed before it) as the simulate() caller ran them."""
+    acc, tokens, out = a0, 0.0, []
+    for d in decisions:
+        out.append((micro * acc, tokens))
+        tokens += micro * acc
+        acc = d.accumulation_steps
+    return out
+
+
+def test_budget_mode_without_measurements_follows_the_plan_exactly():
+    # no noise scale at all: the batch of every step is the plan's batch at the tokens
+    # consumed before it (independent truth: schedule.plan_doubling with the documented
+    # priors, b_min = start, b_max = the cap's largest batch 2**6 * 512)
+    budget = 3e6
+    ctrl = BatchSizeController(budget_tokens=budget, max_accumulation_steps=64)
+    decisions, _ = simulate(ctrl, lambda *a: None, 2000)
+    plan = _plan(budget, MICRO, 64 * MICRO)
+    assert len(plan.switch_tokens) >= 4
+    steps = _batches_and_tokens(decisions)
+    mismatches = [(b, z) for b, z in steps if z < budget and b != plan.batch_at_tokens(z)]
+    assert mismatches == []
+    assert all(d.planned_batch == plan.batch_at_tokens(z + b) for d, (b, z) in zip(decisions, steps))
+    assert all(d.reason.startswith("plan:") for d in changes(decisions))
+
+
+def test_budget_mode_keeps_the_measured_level_when_it_is_higher():
+    # a flat landscape critical batch of 20 * 512: the measurement lifts the batch to 8192
+    # early; the plan takes over only where it exceeds that
+    rng = random.Random(2)
+    budget = 5e6
+    ctrl = BatchSizeController(budget_tokens=budget)
+    decisions, _ = simulate(ctrl, lambda *a: 20 * MICRO * math.exp(rng.gauss(0, 0.1)), 3000)
+    plan = _plan(budget, MICRO, 256 * MICRO)
+    steps = _batches_and_tokens(decisions)
+    assert max(b for b, z in steps if z < 0.2 * budget) == 16 * MICRO  # measured, early
+    first = next(i for i, (b, _) in enumerate(steps) if b == 16 * MICRO)
+    assert all(b == max(16 * MICRO, plan.batch_at_tokens(z)) for b, z in steps[first:] if z < budget)
+    late = [b for b, z in steps if z > plan.switch_tokens[-1] and z < budget]
+    assert late and late[0] == plan.batches[-1]
+    assert not ctrl.feedback_trap
+
+
+def test_budget_mode_returns_to_the_plan_after_a_feedback_trap():
+    budget = 2e6
+    ctrl = BatchSizeController(budget_tokens=budget)
+    with pytest.warns(RuntimeWarning, match="follows the batch"):
+        decisions, _ = simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 6000)
+    grown = changes(decisions)
+    assert grown[0].accumulation_steps == 2 and grown[0].reason.startswith("grow")
+    assert grown[1].accumulation_steps == 1 and "back to the budget's plan" in grown[1].reason
+    assert all(d.reason.startswith("plan:") for d in grown[2:])
+    plan = _plan(budget, MICRO, 256 * MICRO)
+    steps = _batches_and_tokens(decisions)
+    after = steps[grown[1].step:]  # from the first step after the return on
+    assert len(after) > 1000
+    assert all(b == plan.batch_at_tokens(z) for b, z in after if z < budget)
+
+
+def test_budget_mode_observe_only_reports_the_plan_without_changing():
+    ctrl = BatchSizeController(budget_tokens=1e6, observe_only=True)
+    decisions, _ = simulate(ctrl, lambda *a: None, 2000)
+    assert changes(decisions) == []
+    assert decisions[-1].planned_batch > MICRO
+
+
+@pytest.mark.parametrize("split", [300, 1500])
+def test_budget_mode_resumes_identically(split):
+    kwargs = dict(budget_tokens=4e6, lr_scaling="linear")
+    full, _ = simulate(BatchSizeController(**kwargs), _noisy_rise(3), 2500)
+    first = BatchSizeController(**kwargs)
+    sig = _noisy_rise(3)
+    part1, (step, tokens, acc) = simulate(first, sig, split)
+    resumed = BatchSizeController(**kwargs)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    part2, _ = simulate(resumed, sig, 2500 - split, start_step=step + 1, tokens=tokens, accumulation=acc)
+    assert part1 + part2 == full
+    assert any(d.reason.startswith("plan:") for d in full)
+    # linear LR coupling: the factor is the batch ratio, also for plan changes
+    previous = MICRO
+    for d in changes(full):
+        assert d.lr_factor == pytest.approx(d.global_batch / previous)
+        previous = d.global_batch
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"budget_tokens": 0}, ValueError, r"budget_tokens=0\): must be finite and > 0"),
+        ({"budget_tokens": "1e6"}, TypeError, r"budget_tokens='1e6'\): expected a number"),
+        ({"plan_s": 0.0}, ValueError, r"plan_s=0.0\): must be finite and > 0"),
+        ({"plan_beta": 1.0}, ValueError, r"plan_beta=1.0\): must be > 1"),
+        ({"plan_floor_ratio": -1}, ValueError, r"plan_floor_ratio=-1\)"),
+    ],
+)
+def test_bad_budget_configuration_is_refused(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        BatchSizeController(**kwargs)
+
+
+def test_budget_smaller_than_the_first_batch_is_refused():
+    with pytest.raises(ValueError, match=r"budget_tokens=100\): smaller than the starting global_batch=512"):
+        _update(BatchSizeController(budget_tokens=100))
