@@ -63,3 +63,18 @@ def test_torchrun_fsdp_example_matches_ddp(ddp_run):
 def test_torchrun_fsdp_example_bf16_every_microbatch():
     run = _torchrun("torchrun_fsdp.py", "--bf16", "--gradient-sync", "every")
     assert run["noise_scale"] > 0
+
+
+def test_gpu_check_says_when_it_skips():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: scripts/gpu_check.sh runs the NCCL checks instead of skipping")
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("GPU_CHECK_BACKEND", None)
+    proc = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "SKIPPED: no CUDA GPU visible" in proc.stdout, proc.stdout + proc.stderr
+    assert "the NCCL checks did NOT run" in proc.stdout
+    strict = subprocess.run(["bash", script, "--require-gpu"], env=env, capture_output=True, text=True, timeout=120)
+    assert strict.returncode == 2
