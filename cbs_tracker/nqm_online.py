@@ -307,7 +307,12 @@ def _row(name: str, budget_aware: bool, noise: NoiseSource, label: str) -> Calla
         res = run_controller(budget=ctx.budget, b_min=ctx.b_min, b_max=ctx.b_max, budget_aware=budget_aware,
                              noise=noise, config=ctx.model.config)
         top = float(res.run.batches.max())
-        note = f"ends at B={res.run.batches[-2] if res.run.steps > 1 else top:.4g}, {len(res.changes)} changes"
+        steps_at_start = max(1, int(math.floor(ctx.budget / ctx.b_min + 1e-9)))
+        start_constant = ctx.model.constant_loss(ctx.b_min, steps_at_start)
+        note = (
+            f"x{start_constant / res.final_loss:.2f} vs constant B={ctx.b_min:g} (its start), "
+            f"ends at B={res.run.batches[-2] if res.run.steps > 1 else top:.4g}, {len(res.changes)} changes"
+        )
         if res.feedback_trap:
             note += ", feedback trap detected"
         if noise == "estimated":
