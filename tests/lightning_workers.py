@@ -81,13 +81,15 @@ class InterleavedBatches(torch.utils.data.Sampler[list[int]]):
 
 # ---------------------------------------------------------------------------- model
 class Regression(pl.LightningModule):
-    """``Linear(8, 1)`` with the mean squared error of its microbatch, SGD."""
+    """``Linear(8, 1)`` with the mean squared error of its microbatch, SGD (or Adam)."""
 
-    def __init__(self, lr: float = 0.05, *, seed: int = 0, scheduler: str | None = None, manual: bool = False) -> None:
+    def __init__(self, lr: float = 0.05, *, seed: int = 0, scheduler: str | None = None, manual: bool = False,
+                 optimizer: str = "sgd") -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.net = nn.Linear(D_IN, 1)
         self.lr = lr
+        self.optimizer_name = optimizer
         self.scheduler = scheduler
         self.automatic_optimization = not manual
 
@@ -107,7 +109,10 @@ class Regression(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.optimizer_name == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr)
         if self.scheduler == "onecycle":
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.trainer.estimated_stepping_batches)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

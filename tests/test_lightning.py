@@ -162,6 +162,66 @@ def test_frozen_regression_estimate_matches_the_plain_loop_tracker_on_the_same_b
     assert cbs.tokens_seen == tracker.tokens_seen == 256
 
 
+def test_adam_preconditioner_is_really_used():
+    """preconditioner='adam' measures g / (sqrt(v_hat) + eps): checked against that formula by hand."""
+    cbs = CBSCallback(controller=None, preconditioner="adam", estimator=fast_estimator())
+    check = GradCheck(cbs)
+
+    class Precondition(pl.Callback):
+        # the reference norms again, on Adam-preconditioned per-microbatch gradients
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            row = check.rows[-1]
+            params = list(pl_module.net.parameters())
+            if not optimizer.state:
+                row["pre_small"] = row["pre_big"] = None
+                return
+            denom = torch.cat([
+                (optimizer.state[p]["exp_avg_sq"] / (1 - 0.999 ** float(optimizer.state[p]["step"]))).sqrt().flatten() + 1e-8
+                for p in params
+            ])
+            per_micro = torch.stack(row.pop("per_micro")) / denom
+            row["pre_small"] = float(per_micro.double().pow(2).sum(1).mean())
+            row["pre_big"] = float(per_micro.mean(0).double().pow(2).sum())
+
+    class KeepPerMicro(GradCheck):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            names = [n for n, _ in pl_module.net.named_parameters()]
+            per = []
+            for batch in self.window:
+                params = {n: p.detach().clone().requires_grad_(True) for n, p in pl_module.net.named_parameters()}
+                g = torch.autograd.grad(pl_module.loss(batch, params), [params[n] for n in names])
+                per.append(torch.cat([t.flatten() for t in g]))
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+            self.rows[-1]["per_micro"] = per
+
+    check = KeepPerMicro(cbs)
+    trainer = make_trainer(max_steps=12, accumulate_grad_batches=4, callbacks=[cbs, check, Precondition()])
+    trainer.fit(Regression(lr=0.01, optimizer="adam"), loader(regression_data(256)))
+    rows = check.rows
+    # step 1: Adam has no second moments yet, the step is not measurable
+    assert rows[0]["pre_small"] is None and rows[0]["dropped"]
+    for r in rows[1:]:
+        assert not r["dropped"]
+        assert r["cbs_small"] == pytest.approx(r["pre_small"], rel=1e-4)
+        assert r["cbs_big"] == pytest.approx(r["pre_big"], rel=1e-4)
+        assert r["cbs_small"] != pytest.approx(r["ref_small"], rel=1e-2)  # not the raw gradients
+    assert cbs.estimator.steps == 11
+
+
+def test_accumulation_changed_by_someone_else_inside_a_window_is_not_measured():
+    class Meddler(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 4:
+                trainer.accumulate_grad_batches = 4  # inside the window [4, 5]: batch 5 is divided by 4
+
+    cbs = CBSCallback(controller=None, estimator=fast_estimator())
+    rec = Recorder(cbs)
+    trainer = make_trainer(max_steps=5, accumulate_grad_batches=2, callbacks=[cbs, rec, Meddler()])
+    with pytest.warns(UserWarning, match=r"accumulate_grad_batches changed inside an accumulation window \(values \[2, 4\]\)"):
+        trainer.fit(Regression(), loader(regression_data(64)))
+    assert [r["record"]["dropped"] for r in rec.rows] == [False, False, True, False, False]
+
+
 # ---------------------------------------------------------------------------- resume
 def _resume_pair(tmp_path, make_cb, *, max_epochs, ckpt_epoch, data_n=512, batch_size=4):
     ds = regression_data(data_n)
