@@ -25,9 +25,11 @@ next window (a :class:`Decision`). DESIGN §4 describes the policy; the rules ar
   ``B_simple >= 2B``" runs away. After every doubling the controller compares
   the median noise scale once the new batch has been measured for a cool-down
   with the median that triggered the doubling, discounting the growth trend it
-  saw before the doubling. If the noise scale roughly doubled with the batch,
-  the growth was the batch's own doing: the controller stops growing for the
-  rest of the run, says so in :attr:`Decision.reason` and warns once;
+  saw before the doubling. If the noise scale roughly doubled with the batch
+  (by ``feedback_ratio`` = 1.4 or more beyond the trend), the growth was the
+  batch's own doing: the controller stops growing from the noise scale for the
+  rest of the run (in budget-aware mode it also goes back to the plan's batch),
+  says so in :attr:`Decision.reason` and warns once;
 * the learning-rate coupling at a change: ``keep`` (default), ``sqrt`` (Adam) or
   ``linear`` (SGD); :func:`apply_lr_factor` applies it to an optimizer and its
   scheduler;
@@ -39,7 +41,16 @@ next window (a :class:`Decision`). DESIGN §4 describes the policy; the rules ar
   No gradient statistic can time the late doublings (they act like a learning-rate
   decay whose timing depends on the budget); the plan does, from the budget, the
   starting batch, the largest batch and three priors (``plan_s``, ``plan_beta``,
-  ``plan_floor_ratio``).
+  ``plan_floor_ratio``). The plan ramps up to the largest batch the caps allow
+  (``max_batch``, else ``256 * A0`` accumulation): set ``max_batch`` to bound the
+  last doublings.
+
+When tracking helps and when it does not: where the measured noise scale
+describes the landscape (signal-dominated runs; on a small GPT it rose early, then
+sat at the best constant batch whatever the batch), following it finds that batch
+without a sweep. Where it follows the batch (near the noise floor; the NQM at every
+batch), it carries no information on the batch to use: the guard stops the growth
+one doubling after the start, and only the budget (the plan) can time a ramp.
 
 Sizes are in the caller's unit (loss-contributing tokens for a language model,
 samples elsewhere): ``global_batch``, ``tokens_seen``, ``noise_scale``,
