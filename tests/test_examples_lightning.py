@@ -43,3 +43,22 @@ def test_lightning_gpt_quick_doubles_the_batch_and_logs_tokens(tmp_path):
     assert max(accum.values()) >= 4 and min(accum.values()) <= 2
     assert all(v > 0 for v in scalars["cbs/noise_scale"].values())
     assert "cbs_tokens/global_batch_tokens" in scalars
+
+
+def test_lightning_gpt_runs_under_ddp_with_two_cpu_processes(tmp_path):
+    # strategy="ddp" relaunches the script itself for rank 1, so it runs as a subprocess here
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "lightning_gpt.py"), "--quick", "--tokens", "4e4",
+         "--devices", "2", "--strategy", "ddp", "--logdir", "runs"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "distributed_backend=gloo" in out and re.search(r"done in \d+s", out), out
+    scalars = _read_scalars(tmp_path / "runs" / "version_0")
+    assert set(scalars["cbs/dp_degree"].values()) == {2.0}
+    accum, batch = scalars["cbs/accumulation_steps"], scalars["cbs/global_batch_tokens"]
+    # both ranks' tokens: 2 ranks x 256 tokens x the microbatches of the window (the
+    # DistributedSampler pads the ranks to full 2-sequence batches; a short window has K < A)
+    assert all(batch[s] == 2 * 256 * accum[s] for s in batch)
+    assert all(v > 0 for v in scalars["cbs/noise_scale"].values())
