@@ -439,8 +439,9 @@ def plan_runs(setting: Setting, best_constant: int | None, *, budget_mode: bool)
     """Runs in the order they start; the ones that need the best constant only once it is known."""
     s0, others = setting.seeds[0], setting.seeds[1:]
     trackers = ("tracker_default", "tracker_budget") if budget_mode else ("tracker_default",)
-    specs = [RunSpec("constant", s0, batch_tokens=b) for b in setting.constants]
-    specs += [RunSpec(t, s0) for t in trackers]
+    # the tracker runs first: they are the result; then the sweep they are compared with
+    specs = [RunSpec(t, s0) for t in trackers]
+    specs += [RunSpec("constant", s0, batch_tokens=b) for b in setting.constants]
     specs += [RunSpec("hand_ramp", s0)]
     specs += [RunSpec(kind, s) for s in others for kind in ("hand_ramp", *trackers)]
     specs += [RunSpec("hand_ramp", s0, "cosine")]
@@ -628,7 +629,7 @@ def _fmt_tokens(n: float | None) -> str:
 def table_markdown(summary: dict[str, Any]) -> str:
     """The results table (one row per run) and the stage comparison, as Markdown."""
     lines = [
-        "| run | schedule | LR | seed | final val loss | steps | steps to best-constant loss | tokens | wall (min) |",
+        "| run | schedule | LR | seed | final val loss | steps | steps to best-constant loss | tokens | train time (min) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
@@ -643,7 +644,7 @@ def table_markdown(summary: dict[str, Any]) -> str:
         reach_s = "not reached" if reach is None else f"{reach} ({round(-100 * saving):+d}%)"
         lines.append(
             f"| {r['name']} | {sched} | {r['lr_schedule']} | {r['seed']} | {r['final_val_loss']:.4f} | {r['steps']} "
-            f"| {reach_s} | {r['tokens']:.0f} | {r.get('wall_time_s', float('nan')) / 60:.1f} |"
+            f"| {reach_s} | {r['tokens']:.0f} | {r['train_time_s'] / 60:.1f} |"
         )
     if summary["stages"]:
         lines += [
