@@ -44,6 +44,22 @@ token-weighted loss (sum over tokens divided by the global batch's tokens) the
 per-microbatch gradients are weighted by ``b_k / B`` instead (see
 :mod:`cbs_tracker.tracker`).
 
+Caveats:
+
+* ``Trainer(max_steps=...)`` counts optimizer steps: after a doubling each step
+  consumes twice the data. Budget a run by epochs or tokens; schedulers sized in
+  steps (``OneCycleLR`` from ``estimated_stepping_batches``) are warned about.
+* A checkpoint is consistent at a window boundary (``ModelCheckpoint`` saves after
+  an optimizer step or at an epoch end); the microbatches of an unfinished window
+  are not saved (Lightning does not save their gradients either). Resuming
+  mid-epoch with a non-resumable DataLoader replays other batches (Lightning warns).
+* The learning-rate factor of a change (``lr_scaling`` of the controller) is applied
+  to the optimizer and the first LR scheduler attached to it.
+* With ``ddp_spawn`` the callback object in the launching process holds no state
+  after ``fit``: the ranks measured (read the logs or a checkpoint).
+* FSDP (``FSDPStrategy``, ``ModelParallelStrategy``) and DeepSpeed are refused (see
+  ``Raises`` of :class:`CBSCallback`); Lightning 2.6 runs FSDP on GPUs only.
+
 Hooks used (Lightning 2.x order): ``setup`` (conflicts refused) -> ``on_fit_start``
 (after the strategy wrapped the model: hooks registered, accumulation restored) ->
 per batch ``on_train_batch_start`` (count units) -> ``on_before_backward`` ->
@@ -221,7 +237,7 @@ class CBSCallback(Callback):
 
             controller = BatchSizeController(observe_only=observe_only)
         elif controller is not None:
-            if not (callable(getattr(controller, "update", None)) and callable(getattr(controller, "state_dict", None))):
+            if not all(callable(getattr(controller, m, None)) for m in ("update", "state_dict", "load_state_dict")):
                 raise TypeError(
                     f"CBSCallback(controller={type(controller).__name__}): expected 'auto', None or a "
                     "BatchSizeController (an object with update(...), state_dict() and load_state_dict())"

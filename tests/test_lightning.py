@@ -122,6 +122,27 @@ def test_every_window_gradient_equals_the_autograd_mean_across_changes(precision
         assert any(not r["finite"] for r in rows), "the fp16 run was meant to overflow at least once"
 
 
+def test_fused_optimizer_with_fp16_is_unscaled_by_the_callback():
+    """Lightning leaves unscaling to fused optimizers' step(); the callback unscales so the norm is right."""
+
+    class Fused(Regression):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01, fused=True)
+
+    cbs = CBSCallback(controller=None, estimator=fast_estimator())
+    check = GradCheck(cbs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    trainer = make_trainer(max_steps=6, accumulate_grad_batches=2, callbacks=[cbs, check],
+                           plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    trainer.fit(Fused(), loader(regression_data(64)))
+    assert trainer.optimizers[0]._step_supports_amp_scaling  # the case Lightning does not unscale
+    for r in check.rows:
+        assert r["finite"] and not r["dropped"]
+        torch.testing.assert_close(r["got"], r["mean"], rtol=1e-5, atol=1e-6 * float(r["mean"].abs().max()))
+        assert r["cbs_small"] == pytest.approx(r["ref_small"], rel=1e-5)
+        assert r["cbs_big"] == pytest.approx(r["ref_big"], rel=1e-5)
+
+
 def test_non_finite_steps_leave_the_estimate_untouched():
     cbs = CBSCallback(controller=None, estimator=fast_estimator())
     rec = Recorder(cbs)
