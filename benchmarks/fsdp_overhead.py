@@ -87,8 +87,10 @@ def worker(rank: int, world: int, init_file: str, out: str, args: argparse.Names
     try:
         plain, plain_opt, num_params = _model(args)
         tracked, tracked_opt, _ = _model(args)
-        tracker = FSDPTracker(tracked, tracked_opt, accumulation_steps=args.accumulation,
-                              controller=BatchSizeController(observe_only=True))
+        tracker = None
+        if not args.control:
+            tracker = FSDPTracker(tracked, tracked_opt, accumulation_steps=args.accumulation,
+                                  controller=BatchSizeController(observe_only=True))
         stream = SequenceStream(load_corpus(4_000_000).train, seq_len=args.seq_len, seed=0)
         times: dict[str, list[float]] = {"with": [], "without": []}
         for i in range(args.warmup + args.pairs):
@@ -104,7 +106,7 @@ def worker(rank: int, world: int, init_file: str, out: str, args: argparse.Names
                     times[which].append(t)
         if rank == 0:
             Path(out).write_text(json.dumps({"times": times, "params": num_params,
-                                             "noise_scale": tracker.noise_scale}))
+                                             "noise_scale": None if tracker is None else tracker.noise_scale}))
     finally:
         dist.destroy_process_group()
 
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=20, help="timed (with, without) pairs")
     p.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--control", action="store_true",
+                   help="A/A control: the 'with' model runs without a tracker (shows the noise floor)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     pair_ratio = statistics.median(a / b for a, b in zip(with_t, without, strict=True))
     tokens = args.micro_sequences * args.seq_len
     print(f"FSDP2 on {args.world} gloo ranks x {args.threads} thread(s), GPT {res['params'] / 1e6:.2f}M params, "
-          f"{tokens} tokens/microbatch/rank, {args.accumulation} microbatches, {args.pairs} timed pairs")
+          f"{tokens} tokens/microbatch/rank, {args.accumulation} microbatches, {args.pairs} timed pairs"
+          + (" [A/A CONTROL: no tracker on either model]" if args.control else ""))
     print(f"median step: without tracker {statistics.median(without) * 1e3:.1f} ms, "
           f"with tracker {statistics.median(with_t) * 1e3:.1f} ms")
     print(f"step-time ratio (median with / median without): {ratio:.3f}; median of per-pair ratios: {pair_ratio:.3f}")
