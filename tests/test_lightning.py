@@ -244,35 +244,45 @@ def test_accumulation_changed_by_someone_else_inside_a_window_is_not_measured():
 
 
 # ---------------------------------------------------------------------------- resume
-def _resume_pair(tmp_path, make_cb, *, max_epochs, ckpt_epoch, data_n=512, batch_size=4):
-    ds = regression_data(data_n)
-    full_cb = make_cb()
-    full_rec = Recorder(full_cb)
-    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1,
-                           save_on_train_epoch_end=True)
-    trainer = make_trainer(max_epochs=max_epochs, accumulate_grad_batches=2, callbacks=[full_cb, full_rec, ckpt],
-                           enable_checkpointing=True)
-    trainer.fit(Regression(lr=0.05), loader(ds, batch_size))
+def _read_tb(log_dir) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing import event_accumulator
 
-    resumed_cb = make_cb()
-    resumed_rec = Recorder(resumed_cb)
-    trainer2 = make_trainer(max_epochs=max_epochs, accumulate_grad_batches=2, callbacks=[resumed_cb, resumed_rec])
-    trainer2.fit(Regression(lr=0.05), loader(ds, batch_size), ckpt_path=str(tmp_path / f"epoch={ckpt_epoch}.ckpt"))
-    return full_cb, full_rec, resumed_cb, resumed_rec, trainer, trainer2
+    acc = event_accumulator.EventAccumulator(str(log_dir), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
 
 
 def test_resume_between_two_doublings_gives_the_same_schedule_and_noise_scale(tmp_path):
-    def make_cb():
-        return CBSCallback(controller=small_controller(), estimator=fast_estimator())
+    from lightning.pytorch.loggers import TensorBoardLogger
 
-    full_cb, full_rec, resumed_cb, resumed_rec, trainer, trainer2 = _resume_pair(
-        tmp_path, make_cb, max_epochs=3, ckpt_epoch=0
-    )
+    def make_cb():
+        return CBSCallback(controller=small_controller(), estimator=fast_estimator(), log_every_n_steps=1)
+
+    ds = regression_data(512)
+    full_cb = make_cb()
+    full_rec = Recorder(full_cb)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1,
+                           save_on_train_epoch_end=True)
+    full_log = TensorBoardLogger(tmp_path, name="full", version=0)
+    trainer = make_trainer(max_epochs=3, accumulate_grad_batches=2, callbacks=[full_cb, full_rec, ckpt],
+                           enable_checkpointing=True, logger=full_log)
+    trainer.fit(Regression(lr=0.05), loader(ds, 4))
+
+    # a new Trainer, module and callback (same configuration), resumed from the end of epoch 0;
+    # accumulate_grad_batches=2 as at the start: the checkpoint must restore the grown value
+    resumed_cb = make_cb()
+    resumed_rec = Recorder(resumed_cb)
+    resumed_log = TensorBoardLogger(tmp_path, name="resumed", version=0)
+    trainer2 = make_trainer(max_epochs=3, accumulate_grad_batches=2, callbacks=[resumed_cb, resumed_rec],
+                            logger=resumed_log)
+    trainer2.fit(Regression(lr=0.05), loader(ds, 4), ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"))
+
     changes = full_cb.applied_changes
     epoch0_steps = max(r["record"]["step"] for r in full_rec.rows if r["epoch"] == 0)
     # the checkpoint at the end of epoch 0 lies between two doublings
     assert any(step <= epoch0_steps for step, _, _ in changes)
     assert any(step > epoch0_steps for step, _, _ in changes)
+    assert resumed_rec.rows[0]["lightning_accumulation"] > 2
 
     after = [r for r in full_rec.rows if r["epoch"] >= 1]
     assert len(resumed_rec.rows) == len(after) > 0
@@ -289,6 +299,12 @@ def test_resume_between_two_doublings_gives_the_same_schedule_and_noise_scale(tm
     assert [c for c in changes if c[0] > epoch0_steps] == resumed_cb.applied_changes
     assert trainer2.accumulate_grad_batches == trainer.accumulate_grad_batches
     assert resumed_cb.controller.state_dict() == full_cb.controller.state_dict()
+
+    # the logged values (TensorBoard event files read back) agree step by step after the checkpoint
+    full_tb, resumed_tb = _read_tb(full_log.log_dir), _read_tb(resumed_log.log_dir)
+    for tag in ("cbs/noise_scale", "cbs/accumulation_steps", "cbs/global_batch_samples", "cbs/samples_seen"):
+        tail = {s: v for s, v in full_tb[tag].items() if s > epoch0_steps}
+        assert tail and resumed_tb[tag] == tail, tag
 
 
 def test_resume_restores_accumulation_before_the_first_batch_and_a_pending_change(tmp_path):
