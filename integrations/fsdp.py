@@ -176,16 +176,17 @@ class FSDPTracker(CBSTracker):
                 )
             kwargs["process_group"] = mesh.get_group(0)
         self.gradient_sync: GradientSync = gradient_sync
-        self._sharded_params: list[nn.Parameter] = sharded
         self._sharded_ids = {id(p) for p in sharded}
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, fsdp_module)]
         self._pre_hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         super().__init__(model, optimizer, **kwargs)
         try:
-            self._reports_big_norm = all(
-                _reports_big_norm(p.device_mesh, tuple(p.placements), self.dp_group, self.dp_degree)
-                for p in sharded
-            )
+            layouts: dict[tuple[int, tuple[Any, ...]], bool] = {}
+            for p in sharded:  # usually one mesh and one placement for all parameters
+                key = (id(p.device_mesh), tuple(p.placements))
+                if key not in layouts:
+                    layouts[key] = _reports_big_norm(p.device_mesh, key[1], self.dp_group, self.dp_degree)
+            self._big_report_params = [p for p in sharded if layouts[(id(p.device_mesh), tuple(p.placements))]]
         except ValueError:
             self.remove_hooks()  # leave the model as it was
             raise
@@ -208,7 +209,7 @@ class FSDPTracker(CBSTracker):
 
     def _big_params(self) -> list[nn.Parameter]:
         # HSDP: replicas hold the same shard; only replica 0 reports it (the others add 0).
-        return self._sharded_params if self._reports_big_norm else []
+        return self._big_report_params
 
     def remove_hooks(self) -> None:
         """Detach from the model: the norm hooks and the forward-pre-hooks."""

@@ -320,7 +320,7 @@ def mesh_scenario(name: str, rank: int, world: int, out_dir: str, steps: int) ->
         dp_rank = dist.get_rank(tracker.dp_group)
         payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=dp_rank, dp_size=4)
         payload["params"] = _full_params(model)
-        payload["reports_big_norm"] = tracker._reports_big_norm
+        payload["reports_big_norm"] = bool(tracker._big_params())
     elif name == "errors_4":
         payload["errors"] = mesh_errors()
     else:
