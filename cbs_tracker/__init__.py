@@ -22,6 +22,10 @@ _EXPORTS: dict[str, str] = {
     "CBSTracker": "cbs_tracker.tracker",
     "BatchSizeController": "cbs_tracker.controller",
     "Decision": "cbs_tracker.controller",
+    "apply_lr_factor": "cbs_tracker.controller",
+    "StepRecord": "cbs_tracker.record",
+    "FSDPTracker": "cbs_tracker.integrations.fsdp",
+    "plan_doubling": "cbs_tracker.schedule",
     "TensorBoardLogger": "cbs_tracker.tb",
     "CBSCallback": "cbs_tracker.integrations.lightning",
 }
