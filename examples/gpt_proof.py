@@ -9,7 +9,7 @@ seed every run starts from the same initialisation and reads the same sequences
 in the same order (``SequenceStream`` makes sequence ``i`` a function of
 ``(seed, i)`` only, however the batch is cut); only the batch schedule differs:
 
-* ``constant``: constant global batches of 1k .. 32k tokens;
+* ``constant``: constant global batches of 512 .. 32k tokens;
 * ``hand_ramp``: 2k -> 4k -> 8k -> 16k tokens for the first 50 / 25 / 15 / 10% of
   the budget (seed 001's hand-picked ramp, scaled);
 * ``tracker_default``: ``CBSTracker`` with ``BatchSizeController()`` at its
@@ -23,10 +23,11 @@ ramp and the budget-aware tracker are also run with a cosine learning-rate decay
 (to 10% of the peak, after the same warm-up).
 
 Microbatches. A global batch is ``micro * A`` (``A`` = accumulation steps, one
-process). The constants and the hand ramp use 512-token microbatches (4
-sequences of 128), so even the 1k constant has ``A = 2``; the tracker runs start
-at 512 tokens and need ``A >= 2`` to measure anything (DESIGN §2 rule 7), so they
-use 256-token microbatches (``A = 2`` at the start). Every run, constants
+process). The constants from 1k and the hand ramp use 512-token microbatches
+(4 sequences of 128), so the 1k constant has ``A = 2``; the runs that start at
+512 tokens (the 512 constant and the tracker runs) need ``A >= 2`` to measure
+anything (DESIGN §2 rule 7), so they use 256-token microbatches (``A = 2`` at the
+start; the tracker changes ``A`` only, so its microbatch stays 256 tokens). Every run, constants
 included, goes through ``CBSTracker`` (observe-only for the constants, the hand
 ramp as a fixed schedule object passed as its controller), so every run logs
 the measured noise scale to TensorBoard.
@@ -89,7 +90,7 @@ class Setting:
     warmup_tokens: int
     weight_decay: float
     clip: float
-    micro_sequences: int  # constants and hand ramp
+    micro_sequences: int  # constants and hand ramp (at most half the batch, so that A >= 2)
     tracker_micro_sequences: int  # tracker runs
     tracker_start_tokens: int
     constants: tuple[int, ...]
@@ -101,8 +102,13 @@ class Setting:
     trace_every_tokens: int = 8192
 
     def key(self) -> str:
-        """A short hash of the setting; results carry it so that settings never mix."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        """A short hash of what decides how a run trains; results carry it so that settings never mix.
+
+        The list of constants and the seeds say which runs exist, not how one trains,
+        so adding a constant batch keeps the runs already done.
+        """
+        fields = {k: v for k, v in asdict(self).items() if k not in ("name", "constants", "seeds")}
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -121,7 +127,7 @@ FULL = Setting(
     micro_sequences=4,
     tracker_micro_sequences=2,
     tracker_start_tokens=512,
-    constants=(1024, 2048, 4096, 8192, 16384, 32768),
+    constants=(512, 1024, 2048, 4096, 8192, 16384, 32768),
     ramp=((2048, 0.5), (4096, 0.25), (8192, 0.15), (16384, 0.10)),
     eval_every_tokens=131_072,
     eval_sequences=256,
@@ -143,7 +149,7 @@ QUICK = Setting(
     micro_sequences=4,
     tracker_micro_sequences=2,
     tracker_start_tokens=128,
-    constants=(256, 1024),
+    constants=(128, 256, 1024),
     ramp=((256, 0.5), (512, 0.25), (1024, 0.25)),
     eval_every_tokens=8192,
     eval_sequences=16,
@@ -248,6 +254,24 @@ class HandRamp:
         pass
 
 
+def start_and_micro(spec: RunSpec, setting: Setting) -> tuple[int, int]:
+    """A run's first global batch (tokens) and its microbatch (sequences).
+
+    Tracker runs use ``tracker_micro_sequences``; the others ``micro_sequences``, but
+    at most half their batch (the 512-token constant gets 256-token microbatches),
+    so that every run has ``A >= 2`` and is measured.
+    """
+    if spec.schedule == "constant":
+        start = int(spec.batch_tokens or 0)
+    elif spec.schedule == "hand_ramp":
+        start = ramp_batch(setting, 0)
+    else:
+        start = setting.tracker_start_tokens
+    if spec.schedule.startswith("tracker"):
+        return start, setting.tracker_micro_sequences
+    return start, max(1, min(setting.micro_sequences, start // (2 * setting.seq_len)))
+
+
 def budget_mode_available() -> bool:
     """Whether the installed ``BatchSizeController`` has the budget-aware mode (``budget_tokens=``)."""
     from cbs_tracker.controller import BatchSizeController
@@ -290,15 +314,8 @@ def train_run(spec: RunSpec, setting: Setting, out: Path) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     corpus = load_corpus(setting.corpus_max_bytes)
-    tracker_run = spec.schedule.startswith("tracker")
-    micro_seqs = setting.tracker_micro_sequences if tracker_run else setting.micro_sequences
+    start_batch, micro_seqs = start_and_micro(spec, setting)
     micro_tokens = micro_seqs * setting.seq_len
-    if spec.schedule == "constant":
-        start_batch = int(spec.batch_tokens or 0)
-    elif spec.schedule == "hand_ramp":
-        start_batch = ramp_batch(setting, 0)
-    else:
-        start_batch = setting.tracker_start_tokens
     if start_batch % micro_tokens or start_batch // micro_tokens < 2:
         raise ValueError(
             f"{spec.name}: global batch {start_batch} must be a multiple >= 2 of the microbatch {micro_tokens}"

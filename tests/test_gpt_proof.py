@@ -79,10 +79,20 @@ def test_full_hand_ramp_is_2k_4k_8k_16k_at_half_quarter_15_10_percent() -> None:
     assert proof.ramp_batch(s, 0.5 * budget) == 4096
     assert proof.ramp_batch(s, 0.75 * budget) == 8192
     assert proof.ramp_batch(s, 0.90 * budget) == 16384
-    # every global batch of the full setting is micro * A with A >= 2
-    for batch in (*s.constants, *(b for b, _ in s.ramp)):
-        assert batch % (s.micro_sequences * s.seq_len) == 0 and batch // (s.micro_sequences * s.seq_len) >= 2
-    assert s.tracker_start_tokens // (s.tracker_micro_sequences * s.seq_len) == 2
+
+
+@pytest.mark.parametrize("setting", [proof.FULL, proof.QUICK], ids=["full", "quick"])
+def test_every_run_starts_with_at_least_two_microbatches(setting) -> None:
+    specs = proof.plan_runs(setting, setting.constants[0], budget_mode=True)
+    assert {s.schedule for s in specs} == set(proof.SCHEDULES)
+    for spec in specs:
+        start, micro_seqs = proof.start_and_micro(spec, setting)
+        micro = micro_seqs * setting.seq_len
+        assert start % micro == 0 and start // micro >= 2, spec.name
+    # the hand ramp's later batches are multiples of its microbatch too
+    _, micro_seqs = proof.start_and_micro(proof.RunSpec("hand_ramp", 0), setting)
+    assert all(b % (micro_seqs * setting.seq_len) == 0 for b, _ in setting.ramp)
+    assert proof.start_and_micro(proof.RunSpec("tracker_default", 0), setting)[0] == setting.tracker_start_tokens
 
 
 # ---------------------------------------------------------------------------- the quick run
