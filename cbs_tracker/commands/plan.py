@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, required=True, help="total tokens (or samples) of the run")
     parser.add_argument("--b-min", type=float, required=True, help="smallest (starting) batch, same unit")
     parser.add_argument("--b-max", type=float, required=True, help="largest batch, same unit")
-    parser.add_argument("--s", type=float, required=True, help="FSL source exponent (> 0)")
-    parser.add_argument("--beta", type=float, required=True, help="FSL capacity exponent (> 1)")
+    parser.add_argument("--s", type=float, default=0.5,
+                        help="FSL source exponent (> 0; default 0.5, the controller's plan_s)")
+    parser.add_argument("--beta", type=float, default=2.0,
+                        help="FSL capacity exponent (> 1; default 2.0, the controller's plan_beta)")
     parser.add_argument(
         "--reference-batch", type=float, default=None,
         help="best constant batch at this budget (sets the noise/signal ratio); overrides --floor-ratio",
