@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "plan_doubling": "cbs_tracker.schedule",
     "TensorBoardLogger": "cbs_tracker.tb",
     "CBSCallback": "cbs_tracker.integrations.lightning",
+    "label_tokens": "cbs_tracker.integrations.lightning",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
