@@ -44,7 +44,7 @@ from cbs_tracker.collector import (
     adam_preconditioner,
     local_grad_sq_norm,
 )
-from cbs_tracker.estimator import NoiseScaleEstimator
+from cbs_tracker.estimator import NoiseScaleEstimate, NoiseScaleEstimator
 from cbs_tracker.record import StepRecord, Unit
 
 TRACKER_STATE_VERSION = 1
@@ -333,12 +333,8 @@ class CBSTracker:
         self._tokens_seen += stats.units
         self.last_stats = stats
 
-        estimate = None
-        if stats.finite and stats.num_microbatches >= 2 and stats.small_batch > 0:
-            estimate = self.estimator.update(
-                stats.small_sq_norm, stats.big_sq_norm, stats.small_batch, stats.big_batch, stats.units
-            )
-        elif stats.finite and stats.num_microbatches < 2 and not self._warned_single:
+        estimate = update_estimator(self.estimator, stats)
+        if estimate is None and stats.finite and stats.num_microbatches < 2 and not self._warned_single:
             self._warned_single = True
             warnings.warn(_SINGLE_MICROBATCH_WARNING, UserWarning, stacklevel=2)
 
@@ -356,26 +352,12 @@ class CBSTracker:
                 self._accumulation_steps = int(decision.accumulation_steps)
                 self._pending_lr_factor *= float(decision.lr_factor)
 
-        step_est = estimate.step if estimate is not None else None
         lr = None
         if self.optimizer is not None and self.optimizer.param_groups:
             lr = float(self.optimizer.param_groups[0]["lr"])
-        record = StepRecord(
-            step=self._step,
-            tokens_seen=self._tokens_seen,
-            unit=self.unit,
-            global_batch=stats.units,
-            micro_batch=stats.units / max(stats.num_microbatches, 1),
-            accumulation_steps=window_steps,
-            dp_degree=self.dp_degree,
-            grad_sq_norm=self.estimator.grad_sq_norm,
-            trace_cov=self.estimator.trace_cov,
-            noise_scale=self.estimator.noise_scale,
-            critical_batch=critical,
-            lr=lr,
-            step_grad_sq_norm=None if step_est is None else step_est.grad_sq_norm,
-            step_trace_cov=None if step_est is None else step_est.trace_cov,
-            dropped=not stats.finite,
+        record = build_record(
+            stats, self.estimator, estimate, step=self._step, tokens_seen=self._tokens_seen, unit=self.unit,
+            accumulation_steps=window_steps, dp_degree=self.dp_degree, critical_batch=critical, lr=lr,
             next_accumulation_steps=self._accumulation_steps,
         )
         self.last_record = record
@@ -388,15 +370,7 @@ class CBSTracker:
             return None
         if self.optimizer is None:
             raise RuntimeError("CBSTracker.step(): grad_scaler= needs optimizer= to unscale the gradients")
-        states = getattr(self.grad_scaler, "_per_optimizer_states", {})
-        stage = states.get(id(self.optimizer), {}).get("stage")
-        if stage is None or getattr(stage, "name", "") == "READY":
-            self.grad_scaler.unscale_(self.optimizer)
-        get_async = getattr(self.grad_scaler, "_get_scale_async", None)
-        scale = get_async() if get_async is not None else None
-        if scale is None:
-            scale = torch.tensor(float(self.grad_scaler.get_scale()))
-        return scale
+        return unscale_and_get_scale(self.grad_scaler, self.optimizer)
 
     def _reduce_window(self, scale: torch.Tensor | None) -> StepStats:
         divisor = float(self._window_divisor) if self.loss_divided_by_accumulation else 1.0
@@ -464,6 +438,70 @@ class CBSTracker:
     def remove_hooks(self) -> None:
         """Detach from the model (its gradients are never changed by the tracker)."""
         self.collector.remove()
+
+
+def unscale_and_get_scale(grad_scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Unscale ``optimizer``'s gradients unless the loop already did; return the loss scale (0-d tensor).
+
+    The scale is the one the backward passes of this window used (``update()`` runs
+    after the optimizer step), read without a host sync where torch allows.
+    """
+    states = getattr(grad_scaler, "_per_optimizer_states", {})
+    stage = states.get(id(optimizer), {}).get("stage")
+    if stage is None or getattr(stage, "name", "") == "READY":
+        grad_scaler.unscale_(optimizer)
+    get_async = getattr(grad_scaler, "_get_scale_async", None)
+    scale = get_async() if get_async is not None else None
+    if scale is None:
+        scale = torch.tensor(float(grad_scaler.get_scale()))
+    return scale
+
+
+def update_estimator(estimator: NoiseScaleEstimator, stats: StepStats) -> NoiseScaleEstimate | None:
+    """Feed a reduced step to the estimator; ``None`` when the step cannot be measured.
+
+    Not measured: non-finite gradients on some rank, or a single microbatch in the
+    whole step (``K = 1``: no second batch size).
+    """
+    if stats.finite and stats.num_microbatches >= 2 and stats.small_batch > 0:
+        return estimator.update(stats.small_sq_norm, stats.big_sq_norm, stats.small_batch, stats.big_batch, stats.units)
+    return None
+
+
+def build_record(
+    stats: StepStats,
+    estimator: NoiseScaleEstimator,
+    estimate: NoiseScaleEstimate | None,
+    *,
+    step: int,
+    tokens_seen: float,
+    unit: Unit,
+    accumulation_steps: int,
+    dp_degree: int,
+    critical_batch: float | None,
+    lr: float | None,
+    next_accumulation_steps: int,
+) -> StepRecord:
+    """The step's :class:`~cbs_tracker.record.StepRecord`, the same for every adapter."""
+    step_est = estimate.step if estimate is not None else None
+    return StepRecord(
+        step=step,
+        tokens_seen=tokens_seen,
+        unit=unit,
+        global_batch=stats.units,
+        micro_batch=stats.units / max(stats.num_microbatches, 1),
+        accumulation_steps=accumulation_steps,
+        dp_degree=dp_degree,
+        grad_sq_norm=estimator.grad_sq_norm,
+        trace_cov=estimator.trace_cov,
+        noise_scale=estimator.noise_scale,
+        critical_batch=critical_batch,
+        lr=lr,
+        step_grad_sq_norm=None if step_est is None else step_est.grad_sq_norm,
+        step_trace_cov=None if step_est is None else step_est.trace_cov,
+        dropped=not stats.finite,
+        next_accumulation_steps=next_accumulation_steps,
+    )
 
 
 def reduce_window(

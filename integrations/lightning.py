@@ -85,7 +85,7 @@ from cbs_tracker.collector import GradStatsCollector, StepStats, adam_preconditi
 from cbs_tracker.estimator import NoiseScaleEstimator
 from cbs_tracker.record import StepRecord, Unit
 from cbs_tracker.tb import record_scalars, schedule_scalars, schedule_step
-from cbs_tracker.tracker import reduce_window
+from cbs_tracker.tracker import build_record, reduce_window, unscale_and_get_scale, update_estimator
 
 __all__ = ["CBSCallback", "label_tokens", "leading_dim"]
 
@@ -520,16 +520,8 @@ class CBSCallback(Callback):
         if scaler is None or not scaler.is_enabled():
             return None
         # Lightning unscales before on_before_optimizer_step except for optimizers that unscale
-        # inside step() (fused); unscale those here so the big norm is unscaled too.
-        states = getattr(scaler, "_per_optimizer_states", {})
-        stage = states.get(id(optimizer), {}).get("stage")
-        if stage is None or getattr(stage, "name", "") == "READY":
-            scaler.unscale_(optimizer)
-        get_async = getattr(scaler, "_get_scale_async", None)
-        scale = get_async() if get_async is not None else None
-        if scale is None:
-            scale = torch.tensor(float(scaler.get_scale()))
-        return scale
+        # inside step() (fused); unscale_and_get_scale unscales those here so the big norm is unscaled too.
+        return unscale_and_get_scale(scaler, optimizer)
 
     def _record_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, stats: StepStats
@@ -539,11 +531,7 @@ class CBSCallback(Callback):
         self.last_stats = stats
         k_per_rank = max(1, int(round(stats.num_microbatches / max(self.dp_degree, 1))))
 
-        estimate = None
-        if stats.finite and stats.num_microbatches >= 2 and stats.small_batch > 0:
-            estimate = self.estimator.update(
-                stats.small_sq_norm, stats.big_sq_norm, stats.small_batch, stats.big_batch, stats.units
-            )
+        estimate = update_estimator(self.estimator, stats)
 
         critical = None
         changed = False
@@ -566,24 +554,10 @@ class CBSCallback(Callback):
                     f"{trainer.accumulate_grad_batches} -> {self._pending} ({decision.reason})"
                 )
 
-        step_est = estimate.step if estimate is not None else None
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else None
-        record = StepRecord(
-            step=self._step,
-            tokens_seen=self._tokens_seen,
-            unit=self.unit,
-            global_batch=stats.units,
-            micro_batch=stats.units / max(stats.num_microbatches, 1),
-            accumulation_steps=k_per_rank,
-            dp_degree=self.dp_degree,
-            grad_sq_norm=self.estimator.grad_sq_norm,
-            trace_cov=self.estimator.trace_cov,
-            noise_scale=self.estimator.noise_scale,
-            critical_batch=critical,
-            lr=lr,
-            step_grad_sq_norm=None if step_est is None else step_est.grad_sq_norm,
-            step_trace_cov=None if step_est is None else step_est.trace_cov,
-            dropped=not stats.finite,
+        record = build_record(
+            stats, self.estimator, estimate, step=self._step, tokens_seen=self._tokens_seen, unit=self.unit,
+            accumulation_steps=k_per_rank, dp_degree=self.dp_degree, critical_batch=critical, lr=lr,
             next_accumulation_steps=self._pending if self._pending is not None else int(trainer.accumulate_grad_batches),
         )
         self.last_record = record
