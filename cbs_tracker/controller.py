@@ -27,9 +27,12 @@ next window (a :class:`Decision`). DESIGN §4 describes the policy; the rules ar
   with the median that triggered the doubling, discounting the growth trend it
   saw before the doubling. If the noise scale roughly doubled with the batch
   (by ``feedback_ratio`` = 1.4 or more beyond the trend), the growth was the
-  batch's own doing: the controller stops growing from the noise scale for the
-  rest of the run (in budget-aware mode it also goes back to the plan's batch),
-  says so in :attr:`Decision.reason` and warns once;
+  batch's own doing: the controller stops growing from the noise scale (in
+  budget-aware mode it also goes back to the plan's batch), says so in
+  :attr:`Decision.reason` and warns once. Growth resumes only if, at a fixed
+  batch, ``B_simple / B`` later rises by ``feedback_resume`` (1.5): a noise scale
+  that follows the batch keeps that ratio, a critical batch that still rises does
+  not, so a trap declared on the fast early rise costs a delay, not the run;
 * the learning-rate coupling at a change: ``keep`` (default), ``sqrt`` (Adam) or
   ``linear`` (SGD); :func:`apply_lr_factor` applies it to an optimizer and its
   scheduler;
@@ -79,7 +82,7 @@ _LR_SCALINGS = ("keep", "sqrt", "linear")
 # Trap-check states (stored as plain ints in the state dict).
 _TRAP_IDLE = 0  # no doubling waiting to be checked
 _TRAP_ARMED = 1  # a doubling happened; compare once the new batch has been measured
-_TRAP_TRIPPED = 2  # the noise scale followed the batch: growth stopped for good
+_TRAP_TRIPPED = 2  # the noise scale followed the batch: growth stopped (until feedback_resume)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,12 @@ class BatchSizeController:
             OLMo-core) or ``"linear"`` (SGD rule).
         feedback_guard: detect the feedback trap (DESIGN §4) and stop growing there.
             Default ``True``.
+        feedback_resume: after a trap, growth resumes once the median noise scale per unit
+            of batch (``B_simple / B``) has risen by this factor over its value when the trap
+            was declared, with no change in between: a noise scale that follows the batch
+            keeps that ratio fixed, a landscape whose critical batch still rises does not.
+            So a trap declared on the fast early rise of the critical batch costs a delay,
+            not the rest of the run. ``None``: stop for good. Default 1.5.
         feedback_ratio: after a doubling, the trap is declared when the median noise scale
             grew by at least this factor more than the trend seen before the doubling
             would explain. A noise scale that follows the batch doubles (2.0), one that
@@ -219,6 +228,7 @@ class BatchSizeController:
         lr_scaling: LRScaling = "keep",
         feedback_guard: bool = True,
         feedback_ratio: float = 1.4,
+        feedback_resume: float | None = 1.5,
         budget_tokens: float | None = None,
         plan_s: float = 0.5,
         plan_beta: float = 2.0,
@@ -235,6 +245,12 @@ class BatchSizeController:
         _check_positive("cooldown_tokens", cooldown_tokens, allow_none=True, allow_zero=True)
         _check_positive("max_accumulation_steps", max_accumulation_steps, allow_none=True, integer=True)
         _check_positive("feedback_ratio", feedback_ratio)
+        _check_positive("feedback_resume", feedback_resume, allow_none=True)
+        if feedback_resume is not None and feedback_resume <= 1.0:
+            raise ValueError(
+                f"BatchSizeController(feedback_resume={feedback_resume!r}): must be > 1 or None "
+                "(the factor by which B_simple / B must rise before growth resumes)"
+            )
         _check_positive("budget_tokens", budget_tokens, allow_none=True)
         _check_positive("plan_s", plan_s)
         _check_positive("plan_beta", plan_beta)
@@ -277,6 +293,7 @@ class BatchSizeController:
         self.lr_scaling: LRScaling = lr_scaling
         self.feedback_guard = feedback_guard
         self.feedback_ratio = float(feedback_ratio)
+        self.feedback_resume = None if feedback_resume is None else float(feedback_resume)
         self.budget_tokens = None if budget_tokens is None else float(budget_tokens)
         self.plan_s = float(plan_s)
         self.plan_beta = float(plan_beta)
@@ -306,6 +323,8 @@ class BatchSizeController:
         self._trap_tokens_before = 0.0  # tokens_seen at that decision
         self._trap_slope = 0.0  # d log(noise scale) / d tokens before the doubling (>= 0)
         self._trap_span = 0.0  # tokens over which that slope was measured
+        self._trap_ratio = 0.0  # median noise scale / batch when the trap was declared
+        self._trap_exponent = 0  # the batch exponent that ratio was measured at
         # Anchor for the pre-doubling trend: a median and its tokens, retaken whenever a
         # window of measurements is complete after a change (or after the start).
         self._anchor_ns = 0.0
@@ -342,6 +361,8 @@ class BatchSizeController:
             "trap_tokens_before": self._trap_tokens_before,
             "trap_slope": self._trap_slope,
             "trap_span": self._trap_span,
+            "trap_ratio": self._trap_ratio,
+            "trap_exponent": self._trap_exponent,
             "anchor_ns": self._anchor_ns,
             "anchor_tokens": self._anchor_tokens,
             "anchor_set": int(self._anchor_set),
@@ -396,6 +417,8 @@ class BatchSizeController:
         self._trap_tokens_before = float(state.get("trap_tokens_before", 0.0))
         self._trap_slope = float(state.get("trap_slope", 0.0))
         self._trap_span = float(state.get("trap_span", 0.0))
+        self._trap_ratio = float(state.get("trap_ratio", 0.0))
+        self._trap_exponent = int(state.get("trap_exponent", 0))
         self._anchor_ns = float(state.get("anchor_ns", 0.0))
         self._anchor_tokens = float(state.get("anchor_tokens", 0.0))
         self._anchor_set = bool(state.get("anchor_set", 0))
@@ -605,6 +628,22 @@ class BatchSizeController:
         if in_cooldown:
             return hold("cool-down")
 
+        if self._trap_state == _TRAP_TRIPPED and self._trap_exponent != self._exponent:
+            # the plan moved the batch since the trap: measure the ratio again at this batch
+            self._trap_ratio, self._trap_exponent = median / batch, self._exponent
+        elif (
+            self._trap_state == _TRAP_TRIPPED
+            and self.feedback_resume is not None
+            and self._trap_ratio > 0
+            and median / batch >= self.feedback_resume * self._trap_ratio
+        ):
+            # At this batch the noise scale rose on its own: it describes the landscape again.
+            self._trap_state = _TRAP_IDLE
+            _log.info(
+                "BatchSizeController step %d: the noise scale rose x%.2f per unit of batch since the "
+                "feedback trap, at a fixed batch; growth from the noise scale resumes",
+                step, median / batch / self._trap_ratio,
+            )
         if self._grow_count >= self.patience:
             if self._trap_state == _TRAP_TRIPPED:
                 return hold("feedback trap: the noise scale follows the batch; growth stopped")
@@ -710,11 +749,16 @@ class BatchSizeController:
         excess = growth / trend
         if excess >= self.feedback_ratio:
             self._trap_state = _TRAP_TRIPPED
+            self._trap_ratio, self._trap_exponent = median / self._batch(self._exponent), self._exponent
+            if self.feedback_resume is not None:
+                after = f"(it resumes only if B_simple / B rises x{self.feedback_resume:g} at a fixed batch)"
+            else:
+                after = "for the rest of the run"
             msg = (
                 f"BatchSizeController step {step}: after doubling the batch, the measured noise scale "
                 f"grew x{growth:.2f} (x{excess:.2f} beyond its earlier trend): it follows the batch "
                 "itself (the feedback trap, DESIGN §4), so it says nothing about the critical batch "
-                "here. Growth from the noise scale stopped for the rest of the run."
+                f"here. Growth from the noise scale stopped {after}."
             )
             _log.info(msg)
             if not self._warned_trap:

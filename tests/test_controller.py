@@ -386,6 +386,43 @@ def test_trap_after_a_landscape_phase():
     assert [d.accumulation_steps for d in changes(decisions)] == [2, 4, 8, 16]
 
 
+def _trap_then_landscape(switch_tokens):
+    # follows the batch (the trap) until switch_tokens, then a critical batch that keeps
+    # rising with the tokens whatever the batch (the landscape)
+    def signal(step, tokens, batch):
+        if tokens < switch_tokens:
+            return 10.0 * batch
+        return 40.0 * MICRO * (tokens / switch_tokens)
+    return signal
+
+
+def test_growth_resumes_when_the_noise_scale_rises_at_a_fixed_batch():
+    ctrl = BatchSizeController()
+    with pytest.warns(RuntimeWarning, match="resumes only if B_simple / B rises x1.5"):
+        decisions, (_, _, acc) = simulate(ctrl, _trap_then_landscape(1.5e6), 6000)
+    accs = [d.accumulation_steps for d in changes(decisions)]
+    assert accs[0] == 2  # the doubling that tripped the guard
+    assert acc > 2 and not ctrl.feedback_trap  # the rising landscape took growth up again
+
+
+def test_without_resume_a_trap_stops_growth_for_good():
+    ctrl = BatchSizeController(feedback_resume=None)
+    with pytest.warns(RuntimeWarning, match="for the rest of the run"):
+        _, (_, _, acc) = simulate(ctrl, _trap_then_landscape(1.5e6), 6000)
+    assert acc == 2 and ctrl.feedback_trap
+
+
+def test_resume_state_survives_a_state_dict_round_trip():
+    ctrl = BatchSizeController()
+    with pytest.warns(RuntimeWarning):
+        simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 1000)
+    state = json.loads(json.dumps(ctrl.state_dict()))
+    assert state["trap_ratio"] == pytest.approx(10.0)
+    other = BatchSizeController()
+    other.load_state_dict(state)
+    assert other.feedback_trap and other.state_dict() == ctrl.state_dict()
+
+
 # ------------------------------------------------------------------------- state dict
 def _noisy_rise(seed):
     rng = random.Random(seed)
@@ -468,6 +505,8 @@ def test_load_state_dict_strict_on_required_tolerant_of_new_optional_keys():
         ({"feedback_guard": None}, TypeError, r"feedback_guard=None\): expected a bool"),
         ({"lr_scaling": "cubic"}, ValueError, r"lr_scaling='cubic'\): expected one of \['keep', 'sqrt', 'linear'\]"),
         ({"feedback_ratio": 1.0}, ValueError, r"feedback_ratio=1.0\): must be > 1"),
+        ({"feedback_resume": 1.0}, ValueError, r"feedback_resume=1.0\): must be > 1 or None"),
+        ({"feedback_resume": "x"}, TypeError, r"feedback_resume='x'\): expected a number"),
         ({"patience": True}, TypeError, r"patience=True\): expected an int"),
     ],
 )
