@@ -179,7 +179,9 @@ class BatchSizeController:
             was declared, with no change in between: a noise scale that follows the batch
             keeps that ratio fixed, a landscape whose critical batch still rises does not.
             So a trap declared on the fast early rise of the critical batch costs a delay,
-            not the rest of the run. ``None``: stop for good. Default 1.5.
+            not the rest of the run. ``None``: stop for good. Default 1.5. Not used in
+            budget-aware mode, where the plan times the growth after a trap (resuming
+            there made the batch go up and back down around each plan step on the NQM).
         feedback_ratio: after a doubling, the trap is declared when the median noise scale
             grew by at least this factor more than the trend seen before the doubling
             would explain. A noise scale that follows the batch doubles (2.0), one that
@@ -634,6 +636,7 @@ class BatchSizeController:
         elif (
             self._trap_state == _TRAP_TRIPPED
             and self.feedback_resume is not None
+            and self.budget_tokens is None  # with a budget, the plan is in charge after a trap
             and self._trap_ratio > 0
             and median / batch >= self.feedback_resume * self._trap_ratio
         ):
@@ -750,7 +753,9 @@ class BatchSizeController:
         if excess >= self.feedback_ratio:
             self._trap_state = _TRAP_TRIPPED
             self._trap_ratio, self._trap_exponent = median / self._batch(self._exponent), self._exponent
-            if self.feedback_resume is not None:
+            if self.budget_tokens is not None:
+                after = "(the budget's plan times the growth from here)"
+            elif self.feedback_resume is not None:
                 after = f"(it resumes only if B_simple / B rises x{self.feedback_resume:g} at a fixed batch)"
             else:
                 after = "for the rest of the run"
