@@ -9,7 +9,8 @@ seed every run starts from the same initialisation and reads the same sequences
 in the same order (``SequenceStream`` makes sequence ``i`` a function of
 ``(seed, i)`` only, however the batch is cut); only the batch schedule differs:
 
-* ``constant``: constant global batches of 512 .. 32k tokens;
+* ``constant``: constant global batches of 256 .. 32k tokens (256 and 512 bracket
+  the best one at this budget, below the tracker's start);
 * ``hand_ramp``: 2k -> 4k -> 8k -> 16k tokens for the first 50 / 25 / 15 / 10% of
   the budget (seed 001's hand-picked ramp, scaled);
 * ``tracker_default``: ``CBSTracker`` with ``BatchSizeController()`` at its
@@ -23,11 +24,12 @@ ramp and the budget-aware tracker are also run with a cosine learning-rate decay
 (to 10% of the peak, after the same warm-up).
 
 Microbatches. A global batch is ``micro * A`` (``A`` = accumulation steps, one
-process). The constants from 1k and the hand ramp use 512-token microbatches
-(4 sequences of 128), so the 1k constant has ``A = 2``; the runs that start at
-512 tokens (the 512 constant and the tracker runs) need ``A >= 2`` to measure
-anything (DESIGN §2 rule 7), so they use 256-token microbatches (``A = 2`` at the
-start; the tracker changes ``A`` only, so its microbatch stays 256 tokens). Every run, constants
+process). Every run needs ``A >= 2`` to be measured (DESIGN §2 rule 7). The
+constants from 1k and the hand ramp use 512-token microbatches (4 sequences of
+128; the 1k constant has ``A = 2``); the 512 and 256 constants use 256- and
+128-token microbatches (``A = 2``); the tracker runs start at 512 tokens with
+256-token microbatches (``A = 2``) and keep them (the tracker changes ``A`` only:
+``A = 64`` at 16k tokens). Every run, constants
 included, goes through ``CBSTracker`` (observe-only for the constants, the hand
 ramp as a fixed schedule object passed as its controller), so every run logs
 the measured noise scale to TensorBoard.
@@ -127,7 +129,7 @@ FULL = Setting(
     micro_sequences=4,
     tracker_micro_sequences=2,
     tracker_start_tokens=512,
-    constants=(512, 1024, 2048, 4096, 8192, 16384, 32768),
+    constants=(256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
     ramp=((2048, 0.5), (4096, 0.25), (8192, 0.15), (16384, 0.10)),
     eval_every_tokens=131_072,
     eval_sequences=256,
@@ -258,8 +260,8 @@ def start_and_micro(spec: RunSpec, setting: Setting) -> tuple[int, int]:
     """A run's first global batch (tokens) and its microbatch (sequences).
 
     Tracker runs use ``tracker_micro_sequences``; the others ``micro_sequences``, but
-    at most half their batch (the 512-token constant gets 256-token microbatches),
-    so that every run has ``A >= 2`` and is measured.
+    at most half their batch (the 512- and 256-token constants get 256- and 128-token
+    microbatches), so that every run has ``A >= 2`` and is measured.
     """
     if spec.schedule == "constant":
         start = int(spec.batch_tokens or 0)
@@ -640,7 +642,7 @@ def _fmt_tokens(n: float | None) -> str:
         return "-"
     if n >= 2**20 and n % 2**20 == 0:
         return f"{n / 2**20:g}Mi"
-    return f"{n / 1024:g}k" if n >= 1024 else f"{n:g}"
+    return f"{n / 1024:.3g}k" if n >= 1024 else f"{n:.3g}"
 
 
 def table_markdown(summary: dict[str, Any]) -> str:
