@@ -296,6 +296,26 @@ def make_controller(spec: RunSpec, setting: Setting, micro_tokens: int) -> Any:
     raise ValueError(f"unknown schedule {spec.schedule!r}; expected one of {SCHEDULES}")
 
 
+def controller_config(controller: Any) -> dict[str, Any]:
+    """The public settings of a run's controller (a result is reused only while they are unchanged)."""
+    if controller is None:
+        return {}
+    return {
+        k: v for k, v in sorted(vars(controller).items())
+        if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))
+    }
+
+
+def _library_commit() -> str | None:
+    """The git commit of the checkout this script runs from, if it is one (provenance only)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 # ---------------------------------------------------------------------------- one run
 
 
@@ -436,6 +456,8 @@ def train_run(spec: RunSpec, setting: Setting, out: Path) -> dict[str, Any]:
         "train_time_s": round(train_time, 2),
         "eval_time_s": round(eval_time, 2),
         "feedback_trap": bool(getattr(controller, "feedback_trap", False)),
+        "controller_config": controller_config(controller),
+        "library_commit": _library_commit(),
         "warnings": caught,
         "evals": evals,
         "trace": trace,
@@ -473,10 +495,16 @@ def plan_runs(setting: Setting, best_constant: int | None, *, budget_mode: bool)
 
 
 def _load_result(path: Path, setting: Setting) -> dict[str, Any] | None:
+    """A finished run's record, or ``None`` if it is missing or was made with another setting or controller."""
     if not path.exists():
         return None
     result = json.loads(path.read_text())
-    return result if result.get("setting_key") == setting.key() else None
+    if result.get("setting_key") != setting.key():
+        return None
+    spec = RunSpec(result["schedule"], result["seed"], result["lr_schedule"], result["batch_tokens"])
+    _, micro_seqs = start_and_micro(spec, setting)
+    expected = controller_config(make_controller(spec, setting, micro_seqs * setting.seq_len))
+    return result if result.get("controller_config") == expected else None
 
 
 def best_constant_of(results: dict[str, dict[str, Any]], setting: Setting) -> int | None:
@@ -587,6 +615,9 @@ def summarise(results: dict[str, dict[str, Any]], setting: Setting, out: Path) -
             if r["schedule"] == "constant" and r["batch_tokens"] == best:
                 targets[(r["seed"], r["lr_schedule"])] = (r["final_val_loss"], r["steps"])
     for r in results.values():
+        # the last evaluation alone moves by ~0.01-0.02 between neighbouring evaluations at
+        # constant LR; the mean of the last three (the last ~7% of the budget) is steadier
+        r["final_val_loss_mean3"] = round(sum(r["evals"]["val_loss"][-3:]) / len(r["evals"]["val_loss"][-3:]), 5)
         target = targets.get((r["seed"], r["lr_schedule"]))
         reach = None if target is None else steps_to_reach(r["evals"], target[0])
         r["best_constant_loss"] = None if target is None else target[0]
@@ -648,8 +679,8 @@ def _fmt_tokens(n: float | None) -> str:
 def table_markdown(summary: dict[str, Any]) -> str:
     """The results table (one row per run) and the stage comparison, as Markdown."""
     lines = [
-        "| run | schedule | LR | seed | final val loss | steps | steps to best-constant loss | tokens | train time (min) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | schedule | LR | seed | final val loss | mean of last 3 evals | steps | steps to best-constant loss | tokens | train time (min) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
         if r["schedule"] == "constant":
@@ -662,7 +693,8 @@ def table_markdown(summary: dict[str, Any]) -> str:
         saving = r.get("step_saving_vs_best_constant")
         reach_s = "not reached" if reach is None else f"{reach} ({round(-100 * saving):+d}%)"
         lines.append(
-            f"| {r['name']} | {sched} | {r['lr_schedule']} | {r['seed']} | {r['final_val_loss']:.4f} | {r['steps']} "
+            f"| {r['name']} | {sched} | {r['lr_schedule']} | {r['seed']} | {r['final_val_loss']:.4f} "
+            f"| {r['final_val_loss_mean3']:.4f} | {r['steps']} "
             f"| {reach_s} | {r['tokens']:.0f} | {r['train_time_s'] / 60:.1f} |"
         )
     if summary["stages"]:
@@ -726,7 +758,7 @@ def draw(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
             ax.axhline(best_loss, color="grey", lw=0.8, ls=":")
     ax_tok.set_xlabel("tokens (M)")
     ax_tok.set_title(f"validation loss vs tokens (seed {s0}; dotted: best constant's final loss)")
-    ax_tok.legend(fontsize=7, ncol=2)
+    ax_tok.legend(fontsize=7, ncol=2, loc="upper right", framealpha=0.85)
     ax_step.set_xscale("log")
     ax_step.set_xlabel("optimizer steps")
     ax_step.set_title("validation loss vs optimizer steps")

@@ -180,3 +180,15 @@ def test_report_only_rebuilds_the_same_results(quick_run: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert _results(quick_run) == before
+
+
+def test_results_of_another_setting_or_controller_are_not_reused(quick_run: Path, tmp_path: Path) -> None:
+    src = quick_run / "runs" / "tracker_default_seed0.json"
+    assert proof._load_result(src, proof.QUICK) is not None
+    assert proof._load_result(src, proof.FULL) is None  # another setting key
+    changed = json.loads(src.read_text())
+    assert changed["controller_config"]["kappa"] == 1.0  # the library default, as recorded
+    changed["controller_config"]["kappa"] = 0.5  # as if made under another default
+    path = tmp_path / "tracker_default_seed0.json"
+    path.write_text(json.dumps(changed))
+    assert proof._load_result(path, proof.QUICK) is None
