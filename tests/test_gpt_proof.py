@@ -187,8 +187,7 @@ def test_results_of_another_setting_or_controller_are_not_reused(quick_run: Path
     assert proof._load_result(src, proof.QUICK) is not None
     assert proof._load_result(src, proof.FULL) is None  # another setting key
     changed = json.loads(src.read_text())
-    assert changed["controller_config"]["kappa"] == 1.0  # the library default, as recorded
-    changed["controller_config"]["kappa"] = 0.5  # as if made under another default
+    changed["controller_config"]["kappa"] *= 2  # as if made under another library default
     path = tmp_path / "tracker_default_seed0.json"
     path.write_text(json.dumps(changed))
     assert proof._load_result(path, proof.QUICK) is None
