@@ -164,6 +164,8 @@ SETTINGS = {s.name: s for s in (FULL, QUICK)}
 
 SCHEDULES = ("constant", "hand_ramp", "tracker_default", "tracker_budget")
 
+NEAR_BEST = 0.02  # nats/byte: constants within this of the best at a stage count as tied
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -649,6 +651,8 @@ def summarise(results: dict[str, dict[str, Any]], setting: Setting, out: Path) -
                 "best_constant": ranked[0],
                 "runner_up": ranked[1] if len(ranked) > 1 else None,
                 "loss_gap_to_runner_up": round(losses[ranked[1]] - losses[ranked[0]], 4) if len(ranked) > 1 else None,
+                # neighbouring evaluations of one run differ by ~0.01-0.02: batches this close are tied
+                "near_best_constants": sorted(b for b in ranked if losses[b] <= losses[ranked[0]] + NEAR_BEST),
                 "constant_losses": {str(b): round(v, 4) for b, v in losses.items()},
                 "noise_scale_in_constant_runs": {str(b): _round(v, 3) for b, v in ns_const.items()},
                 "noise_scale_in_tracker_runs": {k: _round(v, 3) for k, v in ns_tracker.items()},
@@ -703,8 +707,9 @@ def table_markdown(summary: dict[str, Any]) -> str:
             "Best constant batch at each stage (argmin of the constant runs' validation loss at T tokens) "
             "against the noise scale the tracker measured there (median over ±5% of the budget):",
             "",
-            "| tokens | best constant (gap to runner-up) | B_simple in constant runs | B_simple in tracker runs |",
-            "|---|---|---|---|",
+            f"| tokens | best constant (gap to runner-up) | constants within {NEAR_BEST} of the best "
+            "| B_simple in constant runs | B_simple in tracker runs |",
+            "|---|---|---|---|---|",
         ]
         for st in summary["stages"]:
             gap = st["loss_gap_to_runner_up"]
@@ -712,7 +717,8 @@ def table_markdown(summary: dict[str, Any]) -> str:
             ns_c = ", ".join(f"{_fmt_tokens(int(b))}: {_fmt_tokens(v)}" for b, v in st["noise_scale_in_constant_runs"].items() if v)
             ns_t = ", ".join(f"{k.replace('tracker_', '').replace('_seed', ' s')}: {_fmt_tokens(v)}"
                              for k, v in st["noise_scale_in_tracker_runs"].items() if v)
-            lines.append(f"| {_fmt_tokens(st['tokens'])} | {best} | {ns_c or '-'} | {ns_t or '-'} |")
+            near = ", ".join(_fmt_tokens(b) for b in st["near_best_constants"])
+            lines.append(f"| {_fmt_tokens(st['tokens'])} | {best} | {near} | {ns_c or '-'} | {ns_t or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -776,7 +782,10 @@ def draw(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     for ax in (ax_sched, ax_ns):
         stages = summary["stages"]
         if stages:
-            ax.plot([s["tokens"] / 1e6 for s in stages], [s["best_constant"] for s in stages], "o", color="orange",
+            xs = [s["tokens"] / 1e6 for s in stages]
+            ax.vlines(xs, [min(s["near_best_constants"]) for s in stages], [max(s["near_best_constants"]) for s in stages],
+                      color="orange", lw=5, alpha=0.5, label=f"constants within {NEAR_BEST} of the best there")
+            ax.plot(xs, [s["best_constant"] for s in stages], "o", color="orange",
                     ms=7, mec="k", label="best constant batch at that point (sweep)", zorder=5)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("tokens (M)")
@@ -792,7 +801,7 @@ def draw(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax_ns.set_title("noise scale measured in the constant-batch runs")
     ax_ns.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
