@@ -42,7 +42,7 @@ before clipping, and sets the learning rate of the schedule (by tokens) itself.
 Usage (runs two at a time in subprocesses with one torch thread each; a finished
 run is reused unless ``--force``; ``runs/`` is ignored by git)::
 
-    python examples/gpt_proof.py --out runs/proof           # everything: 20 runs, ~45 min on 2 idle cores
+    python examples/gpt_proof.py --out runs/proof           # everything: 18 runs, ~45 min on 2 idle cores
     python examples/gpt_proof.py --out runs/proof --only constant,hand_ramp
     python examples/gpt_proof.py --quick --out /tmp/proof   # tiny model and budget (smoke test)
 
