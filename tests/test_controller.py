@@ -48,7 +48,7 @@ def changes(decisions: list[Decision]) -> list[Decision]:
 # ----------------------------------------------------------------------------- defaults
 def test_defaults_are_documented_values():
     c = BatchSizeController()
-    assert (c.kappa, c.margin, c.patience, c.window, c.warmup_steps) == (1.0, 0.1, 16, 32, 100)
+    assert (c.kappa, c.margin, c.patience, c.window, c.warmup_steps) == (0.5, 0.1, 16, 32, 100)
     assert c.min_batch is None and c.max_batch is None and c.max_accumulation_steps is None
     assert c.warmup_tokens is None and c.cooldown_tokens is None
     assert not c.allow_shrink and not c.observe_only and c.lr_scaling == "keep" and c.feedback_guard
@@ -141,7 +141,7 @@ def test_rising_estimate_doubles_at_the_expected_tokens():
     def signal(step, tokens, batch):
         return tokens / 100.0
 
-    ctrl = BatchSizeController(max_accumulation_steps=16)
+    ctrl = BatchSizeController(kappa=1.0, max_accumulation_steps=16)
     decisions, _ = simulate(ctrl, signal, 6000)
     grown = changes(decisions)
     assert [d.accumulation_steps for d in grown] == [2, 4, 8, 16]
@@ -172,7 +172,7 @@ def test_noisy_gpt_like_rise_then_plateau_reaches_the_plateau_batch():
         base = 2500.0 if tokens > 0.5e6 else 3000.0 * (tokens / 0.5e6) ** 1.3
         return max(base, 50.0) * math.exp(rng.gauss(0, 0.15))
 
-    ctrl = BatchSizeController()
+    ctrl = BatchSizeController(kappa=1.0)
     decisions, (_, tokens, acc) = simulate(ctrl, signal, 3000)
     assert tokens > 5e6 and acc == 4
     assert [d.accumulation_steps for d in changes(decisions)] == [2, 4]
@@ -278,7 +278,7 @@ def test_shrink_only_when_enabled_well_below_and_not_below_min_batch():
 def test_shrink_needs_the_target_well_below():
     # at 0.3 B (above B / 2.2 = 0.4545 B? no: 0.3 < 0.4545) it shrinks; at 0.5 B it holds
     for frac, expect in ((0.5, []), (0.47, []), (0.44, [4])):
-        ctrl = BatchSizeController(allow_shrink=True, warmup_steps=0, warmup_tokens=0,
+        ctrl = BatchSizeController(kappa=1.0, allow_shrink=True, warmup_steps=0, warmup_tokens=0,
                                    cooldown_tokens=1e12)
         decisions, _ = simulate(ctrl, lambda *a, f=frac: f * 8 * MICRO, 300, a0=8)
         assert [d.accumulation_steps for d in changes(decisions)] == expect, frac
@@ -366,7 +366,7 @@ def test_landscape_noise_scale_above_the_batch_is_not_mistaken_for_the_trap():
     # a flat critical batch of 20 * 512: grow 512 -> ... -> 8192 (<= 10240 / 1.1); the
     # noise scale does not move at a doubling, so the guard stays quiet
     rng = random.Random(5)
-    ctrl = BatchSizeController()
+    ctrl = BatchSizeController(kappa=1.0)
     decisions, (_, _, acc) = simulate(ctrl, lambda *a: 20 * MICRO * math.exp(rng.gauss(0, 0.2)), 3000)
     assert acc == 16 and not ctrl.feedback_trap
 
@@ -379,7 +379,7 @@ def test_trap_after_a_landscape_phase():
     def signal(step, tokens, batch):
         return 5 * MICRO if tokens < 1e6 else 10.0 * batch
 
-    ctrl = BatchSizeController()
+    ctrl = BatchSizeController(kappa=1.0)
     with pytest.warns(RuntimeWarning):
         decisions, (_, _, acc) = simulate(ctrl, signal, 20000)
     assert ctrl.feedback_trap
@@ -693,7 +693,7 @@ def test_budget_mode_keeps_the_measured_level_when_it_is_higher():
     # early; the plan takes over only where it exceeds that
     rng = random.Random(2)
     budget = 5e6
-    ctrl = BatchSizeController(budget_tokens=budget)
+    ctrl = BatchSizeController(kappa=1.0, budget_tokens=budget)
     decisions, _ = simulate(ctrl, lambda *a: 20 * MICRO * math.exp(rng.gauss(0, 0.1)), 3000)
     plan = _plan(budget, MICRO, 256 * MICRO)
     steps = _batches_and_tokens(decisions)
@@ -765,3 +765,14 @@ def test_bad_budget_configuration_is_refused(kwargs, exc, match):
 def test_budget_smaller_than_the_first_batch_is_refused():
     with pytest.raises(ValueError, match=r"budget_tokens=100\): smaller than the starting global_batch=512"):
         _update(BatchSizeController(budget_tokens=100))
+
+
+def test_default_kappa_keeps_the_batch_below_half_the_noise_scale():
+    # flat B_simple = 20 * 512: a doubling B -> 2B needs kappa * B_simple >= 2.2 B, so the batch
+    # ends at the largest power of two <= kappa * B_simple / 1.1: 4096 (A = 8) for kappa = 0.5
+    # (0.5 * 10240 / 1.1 = 4655), 8192 (A = 16) for kappa = 1
+    rng = random.Random(7)
+    signal = lambda *a: 20 * MICRO * math.exp(rng.gauss(0, 0.1))  # noqa: E731
+    _, (_, _, acc_default) = simulate(BatchSizeController(), signal, 3000)
+    _, (_, _, acc_one) = simulate(BatchSizeController(kappa=1.0), signal, 3000)
+    assert (acc_default, acc_one) == (8, 16)

@@ -142,7 +142,7 @@ def test_nqm_controller_settings_depend_on_the_bounds_only():
     b = nqm_controller(budget=1e7)
     assert (a.max_batch, a.max_accumulation_steps) == (8192.0, 1024)
     assert (b.max_batch, b.max_accumulation_steps, b.budget_tokens) == (8192.0, 1024, 1e7)
-    assert a.kappa == b.kappa == 1.0 and a.patience == b.patience
+    assert a.kappa == b.kappa == 0.5 and a.patience == b.patience
 
 
 # ------------------------------------------------------------------------- the rows
