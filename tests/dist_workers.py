@@ -55,9 +55,10 @@ def microbatch_data(
 
 
 def make_controller() -> BatchSizeController:
-    # Short warm-up and no cool-down so that a dozen steps see decisions.
+    # Short warm-up and no cool-down so that a dozen steps see decisions (kappa=1 so that
+    # they are doublings; the default kappa is tested in test_controller).
     return BatchSizeController(
-        warmup_steps=3, warmup_tokens=0, cooldown_tokens=0, patience=2, window=3, feedback_guard=False
+        kappa=1.0, warmup_steps=3, warmup_tokens=0, cooldown_tokens=0, patience=2, window=3, feedback_guard=False
     )
 
 
