@@ -107,7 +107,7 @@ def _diff(after: tuple[Counter[str], int], before: tuple[Counter[str], int]) -> 
 def _build(kind: str, world: int) -> tuple[Any, Any]:
     from torch.distributed.fsdp import fully_shard
 
-    from cbs_tracker.gpt import GPT, GPTConfig
+    from cbs_tracker.demo.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(context_length=64))
@@ -122,9 +122,9 @@ def _build(kind: str, world: int) -> tuple[Any, Any]:
 
 def _run(kind: str, with_tracker: bool, args: argparse.Namespace, counter: CollectiveCounter) -> dict[str, Any]:
     from cbs_tracker.integrations.fsdp import FSDPTracker
+    from cbs_tracker.integrations.plain import CBSTracker
 
-    from cbs_tracker.corpus import SequenceStream, load_corpus
-    from cbs_tracker.tracker import CBSTracker
+    from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = _build(kind, world)

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 def _model(args: argparse.Namespace) -> tuple[Any, Any, int]:
     from torch.distributed.fsdp import fully_shard
 
-    from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.preset, context_length=args.seq_len))
@@ -78,8 +78,8 @@ class _null:
 def worker(rank: int, world: int, init_file: str, out: str, args: argparse.Namespace) -> None:
     from cbs_tracker.integrations.fsdp import FSDPTracker
 
-    from cbs_tracker.controller import BatchSizeController
-    from cbs_tracker.corpus import SequenceStream, load_corpus
+    from cbs_tracker.demo.corpus import SequenceStream, load_corpus
+    from cbs_tracker.policy.controller import BatchSizeController
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

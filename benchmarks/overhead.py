@@ -25,8 +25,8 @@ import time
 import torch
 
 from cbs_tracker import BatchSizeController, CBSTracker
-from cbs_tracker.corpus import SequenceStream, load_corpus
-from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.demo.corpus import SequenceStream, load_corpus
+from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
 
 def _setup(args):

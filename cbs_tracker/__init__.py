@@ -14,21 +14,22 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imported lazily on first attribute access)
 _EXPORTS: dict[str, str] = {
-    "NoiseScaleEstimator": "cbs_tracker.estimator",
-    "NoiseScaleEstimate": "cbs_tracker.estimator",
-    "estimate_from_norms": "cbs_tracker.estimator",
-    "GradStatsCollector": "cbs_tracker.collector",
-    "StepStats": "cbs_tracker.collector",
-    "CBSTracker": "cbs_tracker.tracker",
-    "BatchSizeController": "cbs_tracker.controller",
-    "Decision": "cbs_tracker.controller",
-    "apply_lr_factor": "cbs_tracker.controller",
-    "StepRecord": "cbs_tracker.record",
+    "NoiseScaleEstimator": "cbs_tracker.core.estimator",
+    "NoiseScaleEstimate": "cbs_tracker.core.estimator",
+    "estimate_from_norms": "cbs_tracker.core.estimator",
+    "GradStatsCollector": "cbs_tracker.core.collector",
+    "StepStats": "cbs_tracker.core.collector",
+    "CBSTracker": "cbs_tracker.integrations.plain",
+    "BatchSizeController": "cbs_tracker.policy.controller",
+    "Decision": "cbs_tracker.policy.controller",
+    "apply_lr_factor": "cbs_tracker.policy.controller",
+    "StepRecord": "cbs_tracker.core.record",
     "FSDPTracker": "cbs_tracker.integrations.fsdp",
-    "plan_doubling": "cbs_tracker.schedule",
-    "TensorBoardLogger": "cbs_tracker.tb",
+    "plan_doubling": "cbs_tracker.theory.schedule",
+    "TensorBoardLogger": "cbs_tracker.integrations.tensorboard",
     "CBSCallback": "cbs_tracker.integrations.lightning",
-    "label_tokens": "cbs_tracker.integrations.lightning",
+    "label_tokens": "cbs_tracker.core.units",
+    "leading_dim": "cbs_tracker.core.units",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

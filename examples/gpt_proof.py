@@ -1,8 +1,8 @@
 """The proof experiment: the tracker against constant batches and a hand ramp on a small GPT.
 
-Every run trains the same small byte-level GPT (``cbs_tracker.gpt``, 2 layers,
+Every run trains the same small byte-level GPT (``cbs_tracker.demo.gpt``, 2 layers,
 width 128, 4 heads, context 128, 0.45M parameters) on the running Python's
-standard library (``cbs_tracker.corpus``) with AdamW (lr 2e-3 after a 200k-token
+standard library (``cbs_tracker.demo.corpus``) with AdamW (lr 2e-3 after a 200k-token
 linear warm-up, betas (0.9, 0.95), weight decay 0.1, clipping at 1.0) for the
 same number of tokens (the budget, 5 * 2**20 = 5,242,880 tokens). For a given
 seed every run starts from the same initialisation and reads the same sequences
@@ -236,7 +236,7 @@ class HandRamp:
         accumulation_steps: int,
         noise_scale: float | None,
     ) -> Any:
-        from cbs_tracker.controller import Decision
+        from cbs_tracker.policy.controller import Decision
 
         batch = ramp_batch(self.setting, tokens_seen)
         accumulation = batch // self.micro_tokens
@@ -278,14 +278,14 @@ def start_and_micro(spec: RunSpec, setting: Setting) -> tuple[int, int]:
 
 def budget_mode_available() -> bool:
     """Whether the installed ``BatchSizeController`` has the budget-aware mode (``budget_tokens=``)."""
-    from cbs_tracker.controller import BatchSizeController
+    from cbs_tracker.policy.controller import BatchSizeController
 
     return "budget_tokens" in inspect.signature(BatchSizeController).parameters
 
 
 def make_controller(spec: RunSpec, setting: Setting, micro_tokens: int) -> Any:
     """The controller object of a run (``None`` for the constants: observe only)."""
-    from cbs_tracker.controller import BatchSizeController
+    from cbs_tracker.policy.controller import BatchSizeController
 
     if spec.schedule == "constant":
         return None
@@ -330,11 +330,11 @@ def _round(x: float | None, digits: int = 5) -> float | None:
 def train_run(spec: RunSpec, setting: Setting, out: Path) -> dict[str, Any]:
     """Train one run in this process and return its record (also written to ``runs/<name>.json``)."""
     import torch
+    from cbs_tracker.integrations.plain import CBSTracker
+    from cbs_tracker.integrations.tensorboard import TensorBoardLogger
 
-    from cbs_tracker.corpus import SequenceStream, evaluate, load_corpus
-    from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
-    from cbs_tracker.tb import TensorBoardLogger
-    from cbs_tracker.tracker import CBSTracker
+    from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
     torch.set_num_threads(1)
     corpus = load_corpus(setting.corpus_max_bytes)

@@ -26,8 +26,8 @@ from cbs_tracker.integrations.lightning import label_tokens
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from cbs_tracker import BatchSizeController, CBSCallback
-from cbs_tracker.corpus import SequenceStream, evaluate, load_corpus, windows
-from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus, windows
+from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
 SEQ_LEN = 128
 MICRO_SEQUENCES = 2  # 256 tokens per microbatch
@@ -49,7 +49,7 @@ class Windows(torch.utils.data.Dataset):
 
 
 class LitGPT(pl.LightningModule):
-    """``GPT`` from :mod:`cbs_tracker.gpt`, AdamW at a constant learning rate, gradients clipped at 1."""
+    """``GPT`` from :mod:`cbs_tracker.demo.gpt`, AdamW at a constant learning rate, gradients clipped at 1."""
 
     def __init__(self, lr: float = 2e-3) -> None:
         super().__init__()

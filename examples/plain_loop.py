@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from cbs_tracker import BatchSizeController, CBSTracker, TensorBoardLogger
-from cbs_tracker.corpus import SequenceStream, evaluate, load_corpus
-from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,9 +5,9 @@ Run (CPU, one to three minutes on two shared cores)::
     torchrun --standalone --nproc_per_node=2 examples/torchrun_ddp.py --backend gloo
 
 and on GPUs ``--backend nccl`` (one GPU per rank). Every rank trains the same
-:class:`~cbs_tracker.gpt.GPT` wrapped in ``DistributedDataParallel``; rank ``r``
+:class:`~cbs_tracker.demo.gpt.GPT` wrapped in ``DistributedDataParallel``; rank ``r``
 takes the ``r``-th slice of each global batch of the split-invariant
-:class:`~cbs_tracker.corpus.SequenceStream`. :class:`~cbs_tracker.CBSTracker`
+:class:`~cbs_tracker.demo.corpus.SequenceStream`. :class:`~cbs_tracker.CBSTracker`
 applies ``no_sync`` to all but the last microbatch of each window, reduces its
 sums with one ``all_reduce`` per optimizer step over the data-parallel group, and
 the :class:`~cbs_tracker.BatchSizeController` (identical on every rank, fed only
@@ -25,11 +25,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from cbs_tracker.integrations.plain import CBSTracker
 
-from cbs_tracker.controller import BatchSizeController
-from cbs_tracker.corpus import SequenceStream, evaluate, load_corpus
-from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
-from cbs_tracker.tracker import CBSTracker
+from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.policy.controller import BatchSizeController
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ Run (CPU, one to three minutes on two shared cores)::
 and on GPUs ``--backend nccl`` (one GPU per rank). Each transformer block and
 the root are wrapped with ``fully_shard`` on a 1-D device mesh over all ranks;
 rank ``r`` takes the ``r``-th slice of each global batch of the split-invariant
-:class:`~cbs_tracker.corpus.SequenceStream`.
+:class:`~cbs_tracker.demo.corpus.SequenceStream`.
 :class:`~cbs_tracker.integrations.fsdp.FSDPTracker` hooks the unsharded
 parameters for the per-microbatch norms, reads the big norm from the sharded
 gradients, turns FSDP's gradient sync off on all but the last microbatch of a
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from cbs_tracker.integrations.fsdp import FSDPTracker
 
-from cbs_tracker.controller import BatchSizeController
-from cbs_tracker.corpus import SequenceStream, evaluate, load_corpus
-from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.policy.controller import BatchSizeController
 
 
 def parser() -> argparse.ArgumentParser:

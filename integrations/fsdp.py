@@ -1,6 +1,6 @@
 """FSDP2 adapter: ``FSDPTracker`` measures the noise scale of a ``fully_shard`` model.
 
-Usage (the plain-loop API of :class:`~cbs_tracker.tracker.CBSTracker`, unchanged)::
+Usage (the plain-loop API of :class:`~cbs_tracker.integrations.plain.CBSTracker`, unchanged)::
 
     from torch.distributed.fsdp import fully_shard
     from cbs_tracker.integrations.fsdp import FSDPTracker
@@ -70,7 +70,7 @@ The tracker assumes FSDP's default average over the DP ranks; after
 (``grads_averaged_over_ranks=False`` covers ``f = 1``, a plain sum).
 
 Collective discipline: the tracker adds exactly one ``all_reduce`` per
-:meth:`~cbs_tracker.tracker.CBSTracker.step` on every rank, also when a rank's
+:meth:`~cbs_tracker.integrations.plain.CBSTracker.step` on every rank, also when a rank's
 gradients are not finite (every rank then drops the step) or a rank's data ran
 out (it contributes zero counts). FSDP's own collectives are the loop's business:
 with uneven data every rank must still run the same number of gradient
@@ -84,10 +84,10 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+from cbs_tracker.integrations.plain import CBSTracker
 from torch import nn
 
-from cbs_tracker import distributed as cbs_dist
-from cbs_tracker.tracker import CBSTracker
+from cbs_tracker.core import distributed as cbs_dist
 
 __all__ = ["FSDPTracker", "GradientSync"]
 
@@ -107,7 +107,7 @@ def _dtensor_type() -> type:
 
 
 class FSDPTracker(CBSTracker):
-    """:class:`~cbs_tracker.tracker.CBSTracker` for a model wrapped with FSDP2's ``fully_shard``.
+    """:class:`~cbs_tracker.integrations.plain.CBSTracker` for a model wrapped with FSDP2's ``fully_shard``.
 
     Args:
         model: the root module, itself an ``FSDPModule`` (``fully_shard(model)`` was
@@ -117,7 +117,7 @@ class FSDPTracker(CBSTracker):
             sync on all but the last microbatch of each window; ``"every"``: the
             tracker leaves it alone (FSDP reduces every microbatch, or whatever the
             loop sets).
-        **kwargs: every keyword of :class:`~cbs_tracker.tracker.CBSTracker`
+        **kwargs: every keyword of :class:`~cbs_tracker.integrations.plain.CBSTracker`
             (``accumulation_steps``, ``unit``, ``controller``, ``process_group`` or
             ``device_mesh`` + ``mesh_dim``, ``grad_scaler``, ``estimator``, ...).
 
@@ -225,7 +225,7 @@ class FSDPTracker(CBSTracker):
     ) -> Iterator[None]:
         """Wrap one microbatch; with ``gradient_sync="last"`` only the last one syncs.
 
-        See :meth:`cbs_tracker.tracker.CBSTracker.microbatch`.
+        See :meth:`cbs_tracker.integrations.plain.CBSTracker.microbatch`.
         """
         with super().microbatch(size, labels=labels):
             if self.gradient_sync == "last":

@@ -18,11 +18,11 @@ What it does, per optimizer step (DESIGN §2–§5, McCandlish et al. 2018, App.
   step carries the sums over the data-parallel ranks;
 * **estimate**: Lightning divides each microbatch loss by
   ``trainer.accumulate_grad_batches`` (``A``) and DDP averages over ranks; the
-  norms are put back on one scale by :func:`cbs_tracker.tracker.reduce_window`
+  norms are put back on one scale by :func:`cbs_tracker.integrations.plain.reduce_window`
   (small norms ``x A^2 / S^2``, big norm ``x (D A / K)^2``, ``S`` the AMP loss
   scale, ``K`` the microbatches really run) and fed to a
-  :class:`~cbs_tracker.estimator.NoiseScaleEstimator`;
-* **decide**: a :class:`~cbs_tracker.controller.BatchSizeController` answers with the
+  :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`;
+* **decide**: a :class:`~cbs_tracker.policy.controller.BatchSizeController` answers with the
   accumulation steps of the next window;
 * **apply safely**: Lightning steps when ``(batch_idx + 1) % A == 0``, zeroes the
   gradients when ``batch_idx % A == 0`` and divides by the *current* ``A``, so a
@@ -42,7 +42,7 @@ Loss normalisation assumed: ``training_step`` returns the mean loss over the
 microbatch's own units (samples or loss-contributing tokens), as is usual. With a
 token-weighted loss (sum over tokens divided by the global batch's tokens) the
 per-microbatch gradients are weighted by ``b_k / B`` instead (see
-:mod:`cbs_tracker.tracker`).
+:mod:`cbs_tracker.integrations.plain`).
 
 Caveats:
 
@@ -71,27 +71,31 @@ backward (tensor hooks) -> ``on_after_backward`` -> ``on_before_optimizer_step``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from cbs_tracker.integrations.plain import (
+    build_record,
+    reduce_window,
+    unscale_and_get_scale,
+    update_estimator,
+)
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from cbs_tracker import distributed as cbs_dist
-from cbs_tracker.collector import GradStatsCollector, StepStats, adam_preconditioner
-from cbs_tracker.estimator import NoiseScaleEstimator
-from cbs_tracker.record import StepRecord, Unit
-from cbs_tracker.tb import record_scalars, schedule_scalars, schedule_step
-from cbs_tracker.tracker import build_record, reduce_window, unscale_and_get_scale, update_estimator
+from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
+from cbs_tracker.core.estimator import NoiseScaleEstimator
+from cbs_tracker.core.record import StepRecord, Unit
+from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
+from cbs_tracker.core.units import BatchSizeFn, label_tokens, leading_dim
 
-__all__ = ["CBSCallback", "label_tokens", "leading_dim"]
+__all__ = ["CBSCallback", "label_tokens", "leading_dim"]  # the last two live in cbs_tracker.core.units
 
 CALLBACK_STATE_VERSION = 1
 
-BatchSizeFn = Callable[[Any], "int | float | torch.Tensor"]
 
 # Schedulers sized in optimizer steps: when the accumulation grows, fewer optimizer
 # steps are taken and the schedule does not finish (attribute holding the length).
@@ -112,71 +116,12 @@ def _flatten_schedulers(scheduler: Any) -> list[Any]:
     return out
 
 
-def leading_dim(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor (depth first).
-
-    A tensor, or a tuple/list/dict holding tensors (``(x, y)``, ``{"input_ids": ...}``).
-
-    Raises:
-        ValueError: the batch holds no tensor with at least one dimension.
-    """
-    found = _first_tensor(batch)
-    if found is None:
-        raise ValueError(
-            f"CBSCallback: found no tensor with a leading (batch) dimension in the batch "
-            f"(a {type(batch).__name__}); pass CBSCallback(batch_size_fn=...) to count it"
-        )
-    return int(found.shape[0])
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.ndim >= 1 else None
-    if isinstance(obj, Mapping):
-        items: Any = obj.values()
-    elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        items = obj
-    else:
-        return None
-    for item in items:
-        found = _first_tensor(item)
-        if found is not None:
-            return found
-    return None
-
-
-def label_tokens(key: int | str = -1, *, ignore_index: int = -100) -> BatchSizeFn:
-    """A ``batch_size_fn`` counting loss-contributing tokens: ``(labels != ignore_index).sum()``.
-
-    Args:
-        key: where the labels are in the batch: an index into a tuple/list batch
-            (default ``-1``, the last element of ``(x, y)``) or a key of a dict batch.
-        ignore_index: label value that does not contribute to the loss (default -100,
-            ``torch.nn.functional.cross_entropy``'s default).
-
-    Returns:
-        ``fn(batch) -> 0-d tensor`` on the labels' device (no host sync).
-    """
-    if not isinstance(key, (int, str)) or isinstance(key, bool):
-        raise TypeError(f"label_tokens(key={key!r}): expected an int index or a str key")
-
-    def count(batch: Any) -> torch.Tensor:
-        labels = batch[key]
-        if not isinstance(labels, torch.Tensor):
-            raise TypeError(
-                f"label_tokens(key={key!r}): batch[{key!r}] is a {type(labels).__name__}, not a tensor of labels"
-            )
-        return (labels != ignore_index).sum()
-
-    return count
-
-
 class CBSCallback(Callback):
     """Measures the gradient noise scale of a Lightning run and grows ``accumulate_grad_batches`` safely.
 
     Args:
         controller: ``"auto"`` (default) builds a
-            :class:`~cbs_tracker.controller.BatchSizeController` with its defaults;
+            :class:`~cbs_tracker.policy.controller.BatchSizeController` with its defaults;
             pass a configured one, or ``None`` to measure and log only.
         observe_only: never change the accumulation. With ``controller="auto"`` the
             controller is built with ``observe_only=True`` (it still reports its
@@ -196,7 +141,7 @@ class CBSCallback(Callback):
             with its real size either way).
         preconditioner: ``None`` (raw gradients) or ``"adam"``: measure
             ``g / (sqrt(v_hat) + eps)`` with the optimizer's second moments.
-        estimator: a configured :class:`~cbs_tracker.estimator.NoiseScaleEstimator`.
+        estimator: a configured :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`.
         process_group: the data-parallel group (default: all ranks of the run).
         log_every_n_steps: write the ``cbs/`` tags to the Trainer's loggers every this
             many optimizer steps; ``None`` (default) uses ``Trainer(log_every_n_steps)``.
@@ -233,7 +178,7 @@ class CBSCallback(Callback):
                 raise ValueError(
                     f"CBSCallback(controller={controller!r}): expected 'auto', None or a BatchSizeController"
                 )
-            from cbs_tracker.controller import BatchSizeController
+            from cbs_tracker.policy.controller import BatchSizeController
 
             controller = BatchSizeController(observe_only=observe_only)
         elif controller is not None:
@@ -604,7 +549,7 @@ class CBSCallback(Callback):
         self.applied_changes.append((self._step, batch_idx, new))
         factor, self._pending_lr_factor = self._pending_lr_factor, 1.0
         if factor != 1.0 and trainer.optimizers:
-            from cbs_tracker.controller import apply_lr_factor
+            from cbs_tracker.policy.controller import apply_lr_factor
 
             optimizer = trainer.optimizers[0]
             # the factor multiplies what the scheduler sets (see apply_lr_factor)

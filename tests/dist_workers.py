@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cbs_tracker import CBSTracker, NoiseScaleEstimator
-from cbs_tracker.controller import BatchSizeController
+from cbs_tracker.policy.controller import BatchSizeController
 
 D_IN = 6
 HIDDEN = 8

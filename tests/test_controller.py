@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from cbs_tracker.controller import BatchSizeController, Decision, apply_lr_factor
+from cbs_tracker.policy.controller import BatchSizeController, Decision, apply_lr_factor
 
 MICRO = 512  # units per accumulation step (e.g. one 512-token microbatch, one rank)
 
@@ -650,14 +650,14 @@ def test_apply_lr_factor_tensor_lr_scaled_in_place_once():
 def test_controller_module_does_not_import_torch():
     import subprocess
 
-    code = "import sys, cbs_tracker.controller; print('torch' in sys.modules)"
+    code = "import sys, cbs_tracker.policy.controller; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 # ---------------------------------------------------------------- budget-aware mode
 def _plan(budget, b_min, b_max):
-    from cbs_tracker.schedule import plan_doubling
+    from cbs_tracker.theory.schedule import plan_doubling
 
     return plan_doubling(budget, b_min, b_max, 0.5, 2.0, floor_ratio=0.5)
 

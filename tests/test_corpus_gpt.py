@@ -1,4 +1,4 @@
-"""Tests of the embedded demo data (cbs_tracker.corpus) and the small GPT (cbs_tracker.gpt)."""
+"""Tests of the embedded demo data (cbs_tracker.demo.corpus) and the small GPT (cbs_tracker.demo.gpt)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cbs_tracker import corpus as corpus_mod
-from cbs_tracker.corpus import (
+from cbs_tracker.demo import corpus as corpus_mod
+from cbs_tracker.demo.corpus import (
     SequenceStream,
     corpus_files,
     evaluate,
@@ -21,7 +21,7 @@ from cbs_tracker.corpus import (
     validation_starts,
     windows,
 )
-from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
 torch.set_num_threads(1)
 

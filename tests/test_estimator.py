@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from cbs_tracker.estimator import NoiseScaleEstimator, estimate_from_norms
+from cbs_tracker.core.estimator import NoiseScaleEstimator, estimate_from_norms
 
 
 def _synthetic_step(rng, mean, cov_sqrt, sizes):

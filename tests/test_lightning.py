@@ -10,12 +10,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cbs_tracker.integrations.lightning import label_tokens, leading_dim
+from cbs_tracker.integrations.tensorboard import TAGS
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from cbs_tracker import BatchSizeController, CBSCallback, NoiseScaleEstimator
-from cbs_tracker.tb import TAGS
 from tests.lightning_workers import (
     GradCheck,
     InterleavedBatches,

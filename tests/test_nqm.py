@@ -1,4 +1,4 @@
-"""Tests of the noisy quadratic model (cbs_tracker.nqm): closed forms against slow loops, the seed's table."""
+"""Tests of the noisy quadratic model (cbs_tracker.theory.nqm): closed forms against slow loops, the seed's table."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from cbs_tracker import nqm as N
 from cbs_tracker.commands import nqm as nqm_cmd
-from cbs_tracker.nqm import (
+from cbs_tracker.theory import nqm as N
+from cbs_tracker.theory.nqm import (
     ExactNQM,
     MonteCarloNQM,
     NQMConfig,
@@ -22,7 +22,7 @@ from cbs_tracker.nqm import (
     run_online,
     unregister_row,
 )
-from cbs_tracker.schedule import plan_doubling, solve_batch_scale
+from cbs_tracker.theory.schedule import plan_doubling, solve_batch_scale
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_run_online_monte_carlo_cuts_the_last_step() -> None:
 
 @pytest.fixture
 def no_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Isolate the registry from other modules' rows (cbs_tracker.nqm_online registers its own)."""
+    """Isolate the registry from other modules' rows (cbs_tracker.theory.nqm_online registers its own)."""
     monkeypatch.setattr(N, "ROW_PLUGIN_MODULE", "cbs_tracker._no_such_plugin")
     monkeypatch.setattr(N, "_EXTRA_ROWS", {})
 

@@ -1,8 +1,8 @@
 """The controller on the NQM: the fast sampler against the full one, the runs, the rows, the targets.
 
-Truth used: the exact model (:class:`cbs_tracker.nqm.ExactNQM`) for expected losses
-and noise scales, the full microbatch sampler (:class:`cbs_tracker.nqm.MonteCarloNQM`)
-for the joint law of the norms, and :func:`cbs_tracker.schedule.plan_doubling` for
+Truth used: the exact model (:class:`cbs_tracker.theory.nqm.ExactNQM`) for expected losses
+and noise scales, the full microbatch sampler (:class:`cbs_tracker.theory.nqm.MonteCarloNQM`)
+for the joint law of the norms, and :func:`cbs_tracker.theory.schedule.plan_doubling` for
 the budget-aware plan.
 """
 
@@ -14,9 +14,9 @@ import math
 import numpy as np
 import pytest
 
-from cbs_tracker.nqm import ExactNQM, MonteCarloNQM, RowContext, registered_rows
-from cbs_tracker.nqm_online import ChiSquareMonteCarlo, nqm_controller, run_controller
-from cbs_tracker.schedule import plan_doubling
+from cbs_tracker.theory.nqm import ExactNQM, MonteCarloNQM, RowContext, registered_rows
+from cbs_tracker.theory.nqm_online import ChiSquareMonteCarlo, nqm_controller, run_controller
+from cbs_tracker.theory.schedule import plan_doubling
 
 
 # ------------------------------------------------------------------ the fast sampler

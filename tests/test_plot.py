@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from cbs_tracker.integrations.tensorboard import TensorBoardLogger
 from torch.utils.tensorboard import SummaryWriter
 
 from cbs_tracker import cli
@@ -18,8 +19,7 @@ from cbs_tracker.commands.plot import (
     read_cbs_scalars,
     run_unit,
 )
-from cbs_tracker.record import StepRecord
-from cbs_tracker.tb import TensorBoardLogger
+from cbs_tracker.core.record import StepRecord
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

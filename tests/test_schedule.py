@@ -1,4 +1,4 @@
-"""Tests of the FSL schedule theory (cbs_tracker.schedule) against brute force and analytic truth."""
+"""Tests of the FSL schedule theory (cbs_tracker.theory.schedule) against brute force and analytic truth."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from cbs_tracker import schedule as S
 from cbs_tracker.commands import plan as plan_cmd
-from cbs_tracker.schedule import (
+from cbs_tracker.theory import schedule as S
+from cbs_tracker.theory.schedule import (
     DoublingPlan,
     ScalingLaw,
     _power_sum,

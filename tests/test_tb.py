@@ -8,12 +8,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from tensorboard.backend.event_processing import event_accumulator
-
-import cbs_tracker
-from cbs_tracker import tb
-from cbs_tracker.record import StepRecord
-from cbs_tracker.tb import (
+from cbs_tracker.integrations import tensorboard as tb
+from cbs_tracker.integrations.tensorboard import (
     TAGS,
     TensorBoardLogger,
     record_scalars,
@@ -21,6 +17,10 @@ from cbs_tracker.tb import (
     schedule_step,
     seen_tag,
 )
+from tensorboard.backend.event_processing import event_accumulator
+
+import cbs_tracker
+from cbs_tracker.core.record import StepRecord
 
 MICRO = 4096.0  # tokens per microbatch on one rank
 DP = 2
@@ -236,7 +236,7 @@ def test_seen_tag():
 
 def test_bad_records_rejected():
     r = synthetic_run()[0]
-    with pytest.raises(TypeError, match=r"expected a cbs_tracker.record.StepRecord, got dict"):
+    with pytest.raises(TypeError, match=r"expected a cbs_tracker.core.record.StepRecord, got dict"):
         record_scalars({"step": 1})
     bad_unit = StepRecord(**{**r.__dict__, "unit": "bytes"})
     with pytest.raises(ValueError, match=r"StepRecord\(unit='bytes'\) is not supported"):
@@ -265,7 +265,7 @@ def test_constructor_errors(tmp_path):
 
 def test_log_errors(tmp_path):
     logger = TensorBoardLogger(tmp_path)
-    with pytest.raises(TypeError, match=r"expected a cbs_tracker.record.StepRecord, got str"):
+    with pytest.raises(TypeError, match=r"expected a cbs_tracker.core.record.StepRecord, got str"):
         logger.log("step")
     logger.close()
     logger.close()  # closing twice is allowed
@@ -309,7 +309,9 @@ def test_rank_zero_writes_and_all_ranks_when_asked(tmp_path, monkeypatch):
 
 def test_no_process_group_means_rank_zero(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    assert tb._global_rank() == 0
+    from cbs_tracker.core import distributed as cbs_dist
+
+    assert cbs_dist.global_rank() == 0
 
 
 def test_lazy_export():

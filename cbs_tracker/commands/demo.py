@@ -1,6 +1,6 @@
 """``cbs-tracker demo``: the main job. A small byte-level GPT on the standard library's ``.py`` files.
 
-Trains the ~0.45M-parameter GPT of :mod:`cbs_tracker.gpt` on the running
+Trains the ~0.45M-parameter GPT of :mod:`cbs_tracker.demo.gpt` on the running
 Python's own standard library (no download) with a plain PyTorch loop driven by
 :class:`~cbs_tracker.CBSTracker` and the default
 :class:`~cbs_tracker.BatchSizeController`, and prints the measured noise scale,
@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from cbs_tracker.controller import BatchSizeController
-from cbs_tracker.corpus import SequenceStream, evaluate, load_corpus
-from cbs_tracker.gpt import GPT, GPTConfig, make_adamw
-from cbs_tracker.tracker import CBSTracker
+from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.integrations.plain import CBSTracker
+from cbs_tracker.policy.controller import BatchSizeController
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     micro_tokens = args.micro_sequences * args.seq_len
     logger = None
     if args.logdir:
-        from cbs_tracker.tb import TensorBoardLogger
+        from cbs_tracker.integrations.tensorboard import TensorBoardLogger
 
         logger = TensorBoardLogger(args.logdir)
     controller = BatchSizeController(observe_only=args.observe_only)

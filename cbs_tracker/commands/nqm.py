@@ -13,8 +13,8 @@ and with ``-o`` a PNG in the spirit of the seed's figure: loss against tokens
 (log-log and linear) and the batch schedules, with the analytic power law
 ``(T - t + 1)^(1/(2 beta) - 1)`` and the best constant batch's noise floor.
 
-Rows come from :func:`cbs_tracker.nqm.compare_schedules`; rows registered with
-:func:`cbs_tracker.nqm.register_row` (for instance by ``cbs_tracker.nqm_online``,
+Rows come from :func:`cbs_tracker.theory.nqm.compare_schedules`; rows registered with
+:func:`cbs_tracker.theory.nqm.register_row` (for instance by ``cbs_tracker.theory.nqm_online``,
 imported automatically when it exists) are included unless ``--no-extra``.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cbs_tracker.nqm import (
+from cbs_tracker.theory.nqm import (
     DEFAULT_B_MAX,
     DEFAULT_B_MIN,
     DEFAULT_BUDGET,
@@ -35,7 +35,7 @@ from cbs_tracker.nqm import (
     ExactNQM,
     compare_schedules,
 )
-from cbs_tracker.schedule import power_law_schedule
+from cbs_tracker.theory.schedule import power_law_schedule
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ prints the regime, the optimum's steps ``T`` and hold phase, then one line per
 rung: the batch, the tokens consumed when it starts (``z_j``) and that
 position as a fraction of the budget. ``--json`` adds one JSON object as the
 last line. All sizes share the budget's unit (tokens or samples). See
-:func:`cbs_tracker.schedule.plan_doubling` for how the free scale is fixed
+:func:`cbs_tracker.theory.schedule.plan_doubling` for how the free scale is fixed
 (``--reference-batch``, ``--floor-ratio``, ``--steps``).
 """
 
@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from cbs_tracker.schedule import (
+from cbs_tracker.theory.schedule import (
     ScalingLaw,
     doubling_plan,
     optimal_schedule,

@@ -3,7 +3,7 @@
 Reads every TensorBoard event file under ``LOGDIR`` (recursively; each folder
 that holds event files is one run) with TensorBoard's own reader, keeps the
 ``cbs/`` tags written by ``cbs_tracker.TensorBoardLogger`` or ``CBSCallback``
-(tag table: ``cbs_tracker.tb``), and draws for each run, against the units seen
+(tag table: ``cbs_tracker.integrations.tensorboard``), and draws for each run, against the units seen
 (x taken from ``cbs/tokens_seen`` or ``cbs/samples_seen``, joined on the
 optimizer step) and on a log-scale y-axis:
 

@@ -40,7 +40,7 @@ next window (a :class:`Decision`). DESIGN §4 describes the policy; the rules ar
   rules above reach (following the measured critical batch early, as OLMo's
   batch-size warm-up does, then holding) and the power-of-two plan of the
   functional-scaling-law optimum for the remaining budget
-  (:func:`cbs_tracker.schedule.plan_doubling`: "hold, then ramp late", DESIGN §6–7).
+  (:func:`cbs_tracker.theory.schedule.plan_doubling`: "hold, then ramp late", DESIGN §6–7).
   No gradient statistic can time the late doublings (they act like a learning-rate
   decay whose timing depends on the budget); the plan does, from the budget, the
   starting batch, the largest batch and three priors (``plan_s``, ``plan_beta``,
@@ -199,7 +199,7 @@ class BatchSizeController:
             not fully refreshed, so a trap reads below 2).
         budget_tokens: the planned total units of the run (tokens for a language model).
             ``None`` (default): budget-unaware. When set, the batch never falls below
-            the plan of :func:`cbs_tracker.schedule.plan_doubling` computed once, at the
+            the plan of :func:`cbs_tracker.theory.schedule.plan_doubling` computed once, at the
             first update, with ``b_min`` = the starting batch and ``b_max`` = the largest
             batch the caps allow; a plan change takes effect at once (no patience, no
             cool-down, not subject to the feedback check). Growth from the measured
@@ -212,7 +212,7 @@ class BatchSizeController:
         plan_floor_ratio: the plan's one free scale: a run held at the starting batch
             would level off at this fraction of its initial excess loss (default 0.5:
             the starting batch is well below the critical batch, where the gradient noise
-            sets half the loss; :meth:`cbs_tracker.schedule.ScalingLaw.from_noise_floor`).
+            sets half the loss; :meth:`cbs_tracker.theory.schedule.ScalingLaw.from_noise_floor`).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -724,7 +724,7 @@ class BatchSizeController:
         return top
 
     def build_plan(self) -> Any:
-        """The budget's :class:`~cbs_tracker.schedule.DoublingPlan` (``None`` without a budget or before the first update).
+        """The budget's :class:`~cbs_tracker.theory.schedule.DoublingPlan` (``None`` without a budget or before the first update).
 
         ``plan_doubling(budget_tokens, start batch, largest allowed batch, plan_s,
         plan_beta, floor_ratio=plan_floor_ratio)``, cached. Needs numpy.
@@ -732,7 +732,7 @@ class BatchSizeController:
         if self.budget_tokens is None or not self._started:
             return None
         if self._plan is None:
-            from cbs_tracker.schedule import plan_doubling
+            from cbs_tracker.theory.schedule import plan_doubling
 
             top = self._plan_top_exponent()
             self._plan = plan_doubling(

@@ -36,16 +36,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from cbs_tracker import distributed as cbs_dist
-from cbs_tracker.collector import (
+from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.collector import (
     GradStatsCollector,
     GradTransform,
     StepStats,
     adam_preconditioner,
     local_grad_sq_norm,
 )
-from cbs_tracker.estimator import NoiseScaleEstimate, NoiseScaleEstimator
-from cbs_tracker.record import StepRecord, Unit
+from cbs_tracker.core.estimator import NoiseScaleEstimate, NoiseScaleEstimator
+from cbs_tracker.core.record import StepRecord, Unit
 
 TRACKER_STATE_VERSION = 1
 
@@ -69,7 +69,7 @@ class CBSTracker:
         unit: ``"tokens"`` or ``"samples"``: what the sizes given to
             :meth:`microbatch` count, and the unit of every reported size.
         ignore_index: label value excluded when counting tokens from ``labels=``.
-        controller: a :class:`~cbs_tracker.controller.BatchSizeController` (or anything
+        controller: a :class:`~cbs_tracker.policy.controller.BatchSizeController` (or anything
             with its ``update(...)`` signature); ``None`` measures only.
         process_group: the data-parallel group (default: the world, when distributed).
         device_mesh: alternatively, a ``DeviceMesh`` whose ``mesh_dim`` is data-parallel.
@@ -82,7 +82,7 @@ class CBSTracker:
             gradients if the loop has not, and removes the scale from the hooked norms.
         preconditioner: ``None`` (raw gradients) or ``"adam"``: measure
             ``g / (sqrt(v_hat) + eps)`` with the optimizer's second moments.
-        estimator: a configured :class:`~cbs_tracker.estimator.NoiseScaleEstimator`.
+        estimator: a configured :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`.
         logger: anything with ``log(record: StepRecord)``, e.g. ``TensorBoardLogger``.
         lr_scheduler: the LR scheduler driving ``optimizer``, if any: a learning-rate
             coupling factor (``lr_scaling`` of the controller) then multiplies what the
@@ -288,7 +288,7 @@ class CBSTracker:
     def _begin_window(self) -> None:
         self._window_divisor = self._accumulation_steps
         if self._pending_lr_factor != 1.0 and self.optimizer is not None:
-            from cbs_tracker.controller import apply_lr_factor
+            from cbs_tracker.policy.controller import apply_lr_factor
 
             apply_lr_factor(self.optimizer, self._pending_lr_factor, self.lr_scheduler)
         self._pending_lr_factor = 1.0
@@ -303,7 +303,7 @@ class CBSTracker:
         unless the loop already called ``scaler.unscale_(optimizer)``.
 
         Returns:
-            The step's :class:`~cbs_tracker.record.StepRecord`.
+            The step's :class:`~cbs_tracker.core.record.StepRecord`.
 
         Raises:
             RuntimeError: no microbatch was run since the last step (with several DP
@@ -482,7 +482,7 @@ def build_record(
     lr: float | None,
     next_accumulation_steps: int,
 ) -> StepRecord:
-    """The step's :class:`~cbs_tracker.record.StepRecord`, the same for every adapter."""
+    """The step's :class:`~cbs_tracker.core.record.StepRecord`, the same for every adapter."""
     step_est = estimate.step if estimate is not None else None
     return StepRecord(
         step=step,
@@ -539,7 +539,7 @@ def reduce_window(
             rather than a replica (take rank 0's).
 
     Returns:
-        The reduced :class:`~cbs_tracker.collector.StepStats` (identical on every rank).
+        The reduced :class:`~cbs_tracker.core.collector.StepStats` (identical on every rank).
     """
     big = local_grad_sq_norm(big_params, transform)
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]

@@ -96,3 +96,8 @@ def reduction_device(group: Any | None, fallback: torch.device) -> torch.device:
     if str(backend).lower() == "gloo":
         return torch.device("cpu")
     return fallback
+
+
+def global_rank() -> int:
+    """Rank in the default process group; 0 when ``torch.distributed`` is not initialised."""
+    return int(dist.get_rank()) if is_distributed() else 0

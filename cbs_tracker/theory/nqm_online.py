@@ -1,14 +1,14 @@
 """The library's own controller and estimator on the noisy quadratic model (issue 6, item 3).
 
-Runs :class:`~cbs_tracker.controller.BatchSizeController` on the NQM of
-:mod:`cbs_tracker.nqm`, in four variants, with the **same** settings at every
+Runs :class:`~cbs_tracker.policy.controller.BatchSizeController` on the NQM of
+:mod:`cbs_tracker.theory.nqm`, in four variants, with the **same** settings at every
 budget (only the problem's bounds ``B_min``, ``B_max`` enter them, and the
 budget itself in budget-aware mode):
 
 * ``online``: the default (budget-unaware) controller fed the **exact** noise
   scale ``B_simple = tr(Sigma) / E|G|^2`` of the expected dynamics;
 * ``online_estimated``: the same controller fed the library's
-  :class:`~cbs_tracker.estimator.NoiseScaleEstimator` on sampled minibatch
+  :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator` on sampled minibatch
   gradients of one Monte-Carlo run (``K = B / (B_min / 4)`` microbatches a step);
 * ``budget_aware`` / ``budget_aware_estimated``: the same with
   ``budget_tokens=D``.
@@ -17,14 +17,14 @@ Every row's ``final_loss`` is the exact model's expected loss of the batch
 sequence the controller chose (for the sampled runs too), so rows compare
 without Monte-Carlo noise in the loss itself.
 
-Importing this module registers the rows with :func:`cbs_tracker.nqm.register_row`,
+Importing this module registers the rows with :func:`cbs_tracker.theory.nqm.register_row`,
 so ``cbs-tracker nqm`` prints them (``--no-extra`` leaves them out).
 
 The sampled runs use :class:`ChiSquareMonteCarlo`, which draws the step's mean
 gradient and the sum of its microbatches' squared deviations directly (Cochran's
 theorem) instead of ``K`` full microbatch gradients: the same joint distribution
 of (update, ``|G_small|^2``, ``|G_big|^2``) as
-:meth:`cbs_tracker.nqm.MonteCarloNQM.microbatch_gradients`, at a cost independent
+:meth:`cbs_tracker.theory.nqm.MonteCarloNQM.microbatch_gradients`, at a cost independent
 of ``K`` (the late steps have ``K`` in the thousands).
 """
 
@@ -38,9 +38,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cbs_tracker.controller import BatchSizeController, Decision
-from cbs_tracker.estimator import NoiseScaleEstimator
-from cbs_tracker.nqm import (
+from cbs_tracker.core.estimator import NoiseScaleEstimator
+from cbs_tracker.policy.controller import BatchSizeController, Decision
+from cbs_tracker.theory.nqm import (
     DEFAULT_B_MAX,
     DEFAULT_B_MIN,
     DEFAULT_BUDGET,
@@ -156,7 +156,7 @@ class ControllerRun:
     """One controller run on the NQM.
 
     Attributes:
-        run: the batches and the exact expected final loss (:class:`cbs_tracker.nqm.OnlineRun`).
+        run: the batches and the exact expected final loss (:class:`cbs_tracker.theory.nqm.OnlineRun`).
         noise_source: ``"exact"`` or ``"estimated"``.
         budget_aware: whether ``budget_tokens`` was set.
         fed_noise_scales: per step, the noise scale given to the controller (``nan``: none yet).
@@ -219,7 +219,7 @@ def run_controller(
         b_max: largest batch.
         budget_aware: pass ``budget_tokens=budget`` to the controller.
         noise: ``"exact"``: the expected dynamics and the exact ``B_simple``
-            (:func:`cbs_tracker.nqm.run_online`); ``"estimated"``: one sampled run
+            (:func:`cbs_tracker.theory.nqm.run_online`); ``"estimated"``: one sampled run
             (:class:`ChiSquareMonteCarlo`, ``seed``) with microbatches of
             ``b_min / 4`` samples, the per-step norms fed to ``estimator`` (default
             :class:`NoiseScaleEstimator` with its defaults) and its smoothed

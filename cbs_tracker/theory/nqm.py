@@ -11,7 +11,7 @@ matter at which batch sizes?"). Independent coordinates ``i`` with curvature
 so after ``T`` steps ``L_T = S(T) + sum_k kappa(T-1-k) / B_k`` with the signal
 ``S(T) = 1/2 sum_i h_i v_{i,0} (1 - eta h_i)^(2T)`` and the noise kernel
 ``kappa(j) = 1/2 eta^2 sum_i h_i sigma_i^2 (1 - eta h_i)^(2j)``: the FSL form of
-:mod:`cbs_tracker.schedule`, so at a fixed budget the exact optimum for a fixed
+:mod:`cbs_tracker.theory.schedule`, so at a fixed budget the exact optimum for a fixed
 ``T`` is ``B_k = clip(c sqrt(kappa(T-1-k)), B_min, B_max)`` (Cauchy-Schwarz).
 
 The seed's setting is the default (:class:`NQMConfig`): 1500 curvatures
@@ -32,7 +32,7 @@ Public pieces:
 * :func:`run_online`: drives either model with a policy that picks each batch.
 * :func:`compare_schedules`: best constant, best two-stage, doubling, optimum
   (and the FSL planner's plan) at equal budget; other modules add rows with
-  :func:`register_row` (``cbs_tracker.nqm_online`` is imported automatically
+  :func:`register_row` (``cbs_tracker.theory.nqm_online`` is imported automatically
   when it exists).
 """
 
@@ -46,7 +46,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from cbs_tracker.schedule import _integer_argmin, doubling_plan_from_batches, plan_doubling
+from cbs_tracker.theory.schedule import _integer_argmin, doubling_plan_from_batches, plan_doubling
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -86,7 +86,7 @@ DEFAULT_B_MAX = 8192.0
 S_WINDOW = (10.0, 1e5)
 BETA_WINDOW = (10.0, 1e3)
 
-ROW_PLUGIN_MODULE = "cbs_tracker.nqm_online"
+ROW_PLUGIN_MODULE = "cbs_tracker.theory.nqm_online"
 
 _KERNEL_BLOCK = 1024
 
@@ -997,10 +997,10 @@ def register_row(name: str, fn: RowFunction | None = None):  # noqa: ANN201
     expected loss (``ctx.model.final_loss(batches)``; :meth:`OnlineRun.as_row`
     does it). Rows are added in registration order after the built-in ones;
     registering a name again replaces the function. The command
-    ``cbs-tracker nqm`` imports ``cbs_tracker.nqm_online`` (if it exists) before
+    ``cbs-tracker nqm`` imports ``cbs_tracker.theory.nqm_online`` (if it exists) before
     comparing, so that module can call ``register_row`` at import time::
 
-        from cbs_tracker.nqm import register_row, run_online
+        from cbs_tracker.theory.nqm import register_row, run_online
 
         @register_row("online_exact")
         def _online_exact(ctx):
@@ -1030,7 +1030,7 @@ def registered_rows() -> dict[str, RowFunction]:
 
 
 def load_row_plugins() -> bool:
-    """Import ``cbs_tracker.nqm_online`` if it exists (it registers its rows); ``True`` if it did.
+    """Import ``cbs_tracker.theory.nqm_online`` if it exists (it registers its rows); ``True`` if it did.
 
     Only that module's absence is tolerated; an error inside it propagates.
     """
@@ -1056,9 +1056,9 @@ def compare_schedules(
     Built-in rows: ``constant`` (best ``B = D/T`` over every integer ``T``),
     ``two_stage`` (:meth:`ExactNQM.best_two_stage`), ``doubling`` (the exact
     optimum discretised to ``b_min * 2^j`` at the geometric-mean crossings,
-    :func:`cbs_tracker.schedule.doubling_plan_from_batches`), ``optimal``
+    :func:`cbs_tracker.theory.schedule.doubling_plan_from_batches`), ``optimal``
     (:meth:`ExactNQM.optimal_batches`), ``planner`` (what the FSL planner
-    :func:`cbs_tracker.schedule.plan_doubling` prescribes from the measured
+    :func:`cbs_tracker.theory.schedule.plan_doubling` prescribes from the measured
     ``s``, ``beta`` and the model's floor ratio alone). Then every registered
     row (after :func:`load_row_plugins`) when ``extra_rows``.
     """
