@@ -33,6 +33,8 @@ Tags (``TAGS`` holds the same table; a test keeps the two identical):
 | tag | record field | meaning |
 |---|---|---|
 | `cbs/noise_scale` | `noise_scale` | B_simple = tr(Sigma) / abs(G)^2, smoothed, in {unit} |
+| `cbs/noise_scale_low` | `noise_scale_low` | lower end of the 90% confidence interval of cbs/noise_scale |
+| `cbs/noise_scale_high` | `noise_scale_high` | upper end of the 90% confidence interval of cbs/noise_scale |
 | `cbs/critical_batch` | `critical_batch` | controller target kappa * B_simple, clipped, in {unit} |
 | `cbs/grad_sq_norm` | `grad_sq_norm` | smoothed estimate of abs(G)^2 |
 | `cbs/trace_cov` | `trace_cov` | smoothed estimate of tr(Sigma) (per-example covariance trace) |
@@ -44,6 +46,9 @@ Tags (``TAGS`` holds the same table; a test keeps the two identical):
 | `cbs/dp_degree` | `dp_degree` | data-parallel ranks (ranks that see different data) |
 | `cbs/{unit}_seen` | `tokens_seen` | {unit} consumed by all DP ranks, this step included |
 | `cbs/lr` | `lr` | learning rate of the first param group after this step |
+| `cbs/scheduled_lr` | `scheduled_lr` | learning rate the schedule sets, before the batch-size coupling |
+| `cbs/lr_coupling` | `lr_coupling` | factor the batch-size coupling multiplies the schedule by |
+| `cbs/lr_conversions` | `lr_conversions` | doublings made in place of a halving of the scheduled LR |
 | `cbs/dropped` | `dropped` | 1 if the step's gradients were not finite (not measured), else 0 |
 | `cbs_{unit}/noise_scale` | `noise_scale` | as cbs/noise_scale, x = {unit} seen |
 | `cbs_{unit}/critical_batch` | `critical_batch` | as cbs/critical_batch, x = {unit} seen |

@@ -39,6 +39,16 @@ class StepRecord:
         step_trace_cov: this step's own unbiased ``tr(Sigma)`` estimate (noisy, may be < 0).
         dropped: the step's gradients were not finite on some rank; nothing was measured.
         next_accumulation_steps: microbatches per rank in the next window (after a decision).
+        noise_scale_low: lower end of the 90% confidence interval of ``noise_scale``
+            (``None`` when the estimator gives none).
+        noise_scale_high: upper end of that interval (may be ``inf`` while the averaged
+            ``|G|^2`` is indistinguishable from 0).
+        scheduled_lr: the learning rate the user's schedule sets for this step, before the
+            batch-size coupling (``None`` without an optimizer).
+        lr_coupling: the factor the batch-size coupling multiplies the schedule by
+            (1.0 at the starting batch).
+        lr_conversions: doublings made so far in place of a halving of the scheduled
+            learning rate (the controller's ``convert_lr_decay`` mode; 0 otherwise).
     """
 
     step: int
@@ -57,3 +67,8 @@ class StepRecord:
     step_trace_cov: float | None = None
     dropped: bool = False
     next_accumulation_steps: int | None = None
+    noise_scale_low: float | None = None
+    noise_scale_high: float | None = None
+    scheduled_lr: float | None = None
+    lr_coupling: float | None = None
+    lr_conversions: int | None = None

@@ -36,6 +36,8 @@ class TagSpec:
 # docstring repeats it for readers; tests/test_tb.py checks that they agree.
 TAGS: tuple[TagSpec, ...] = (
     TagSpec("cbs/noise_scale", "noise_scale", "B_simple = tr(Sigma) / abs(G)^2, smoothed, in {unit}"),
+    TagSpec("cbs/noise_scale_low", "noise_scale_low", "lower end of the 90% confidence interval of cbs/noise_scale"),
+    TagSpec("cbs/noise_scale_high", "noise_scale_high", "upper end of the 90% confidence interval of cbs/noise_scale"),
     TagSpec("cbs/critical_batch", "critical_batch", "controller target kappa * B_simple, clipped, in {unit}"),
     TagSpec("cbs/grad_sq_norm", "grad_sq_norm", "smoothed estimate of abs(G)^2"),
     TagSpec("cbs/trace_cov", "trace_cov", "smoothed estimate of tr(Sigma) (per-example covariance trace)"),
@@ -47,6 +49,9 @@ TAGS: tuple[TagSpec, ...] = (
     TagSpec("cbs/dp_degree", "dp_degree", "data-parallel ranks (ranks that see different data)"),
     TagSpec("cbs/{unit}_seen", "tokens_seen", "{unit} consumed by all DP ranks, this step included"),
     TagSpec("cbs/lr", "lr", "learning rate of the first param group after this step"),
+    TagSpec("cbs/scheduled_lr", "scheduled_lr", "learning rate the schedule sets, before the batch-size coupling"),
+    TagSpec("cbs/lr_coupling", "lr_coupling", "factor the batch-size coupling multiplies the schedule by"),
+    TagSpec("cbs/lr_conversions", "lr_conversions", "doublings made in place of a halving of the scheduled LR"),
     TagSpec("cbs/dropped", "dropped", "1 if the step's gradients were not finite (not measured), else 0"),
     TagSpec("cbs_{unit}/noise_scale", "noise_scale", "as cbs/noise_scale, x = {unit} seen"),
     TagSpec("cbs_{unit}/critical_batch", "critical_batch", "as cbs/critical_batch, x = {unit} seen"),
