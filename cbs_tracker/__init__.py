@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "CBSTracker": "cbs_tracker.integrations.plain",
     "BatchSizeController": "cbs_tracker.policy.controller",
     "Decision": "cbs_tracker.policy.controller",
-    "apply_lr_factor": "cbs_tracker.policy.controller",
+    "apply_lr_factor": "cbs_tracker.policy.lr",
     "StepRecord": "cbs_tracker.core.record",
     "FSDPTracker": "cbs_tracker.integrations.fsdp",
     "plan_doubling": "cbs_tracker.theory.schedule",

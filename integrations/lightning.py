@@ -549,7 +549,7 @@ class CBSCallback(Callback):
         self.applied_changes.append((self._step, batch_idx, new))
         factor, self._pending_lr_factor = self._pending_lr_factor, 1.0
         if factor != 1.0 and trainer.optimizers:
-            from cbs_tracker.policy.controller import apply_lr_factor
+            from cbs_tracker.policy.lr import apply_lr_factor
 
             optimizer = trainer.optimizers[0]
             # the factor multiplies what the scheduler sets (see apply_lr_factor)

@@ -288,7 +288,7 @@ class CBSTracker:
     def _begin_window(self) -> None:
         self._window_divisor = self._accumulation_steps
         if self._pending_lr_factor != 1.0 and self.optimizer is not None:
-            from cbs_tracker.policy.controller import apply_lr_factor
+            from cbs_tracker.policy.lr import apply_lr_factor
 
             apply_lr_factor(self.optimizer, self._pending_lr_factor, self.lr_scheduler)
         self._pending_lr_factor = 1.0

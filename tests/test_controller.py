@@ -16,7 +16,8 @@ import warnings
 
 import pytest
 
-from cbs_tracker.policy.controller import BatchSizeController, Decision, apply_lr_factor
+from cbs_tracker.policy.controller import BatchSizeController, Decision
+from cbs_tracker.policy.lr import apply_lr_factor
 
 MICRO = 512  # units per accumulation step (e.g. one 512-token microbatch, one rank)
 
