@@ -1,64 +1,10 @@
-"""TensorBoard logging of the tracker's per-step report, without Lightning.
+"""TensorBoard logging of the tracker's per-step report: ``TensorBoardLogger``.
 
-One ``StepRecord`` per optimizer step becomes a fixed set of scalars. The tag
-names are built here only: ``record_scalars`` and ``schedule_scalars`` are pure
-functions that the Lightning callback reuses, so both adapters write identical
-tags, and ``cbs-tracker plot`` reads them back.
-
-``{unit}`` below is the record's unit, ``tokens`` or ``samples``: every size
-carries its unit in its name (``cbs/global_batch_tokens``,
-``cbs/samples_seen``, ``cbs_samples/noise_scale`` ...). A value that is
-``None`` in the record (not measured yet, no controller) is not written at all,
-so a tag's first point is its first measurement.
-
-X-axes. TensorBoard's x-axis ("step") is an integer per point, so the record is
-written twice:
-
-* under ``cbs/``, every tag, against the **optimizer step**
-  (``StepRecord.step``: 1 after the first optimizer step, the same number as
-  Lightning's ``trainer.global_step`` after that step);
-* under ``cbs_{unit}/``, the schedule tags again, against the **units seen**
-  (``round(StepRecord.tokens_seen)``, units consumed by all DP ranks up to and
-  including this step). In TensorBoard's UI the ``cbs_tokens/`` charts show the
-  batch schedule and the noise scale against tokens.
-
-Values are stored as float32 (TensorBoard's ``simple_value``): ``cbs/{unit}_seen``
-is exact up to 2**24 = 16,777,216 units and has a relative error below 6e-8
-beyond; the integer step of the ``cbs_{unit}/`` tags is exact (int64). TensorBoard's
-UI down-samples long scalar series (``--samples_per_plugin scalars=N`` shows all);
-``cbs-tracker plot`` reads every point.
-
-Tags (``TAGS`` holds the same table; a test keeps the two identical):
-
-| tag | record field | meaning |
-|---|---|---|
-| `cbs/noise_scale` | `noise_scale` | B_simple = tr(Sigma) / abs(G)^2, smoothed, in {unit} |
-| `cbs/noise_scale_low` | `noise_scale_low` | lower end of the 90% confidence interval of cbs/noise_scale |
-| `cbs/noise_scale_high` | `noise_scale_high` | upper end of the 90% confidence interval of cbs/noise_scale |
-| `cbs/critical_batch` | `critical_batch` | controller target kappa * B_simple, clipped, in {unit} |
-| `cbs/grad_sq_norm` | `grad_sq_norm` | smoothed estimate of abs(G)^2 |
-| `cbs/trace_cov` | `trace_cov` | smoothed estimate of tr(Sigma) (per-example covariance trace) |
-| `cbs/step_grad_sq_norm` | `step_grad_sq_norm` | this step's own unbiased abs(G)^2 estimate (noisy, may be < 0) |
-| `cbs/step_trace_cov` | `step_trace_cov` | this step's own unbiased tr(Sigma) estimate (noisy, may be < 0) |
-| `cbs/global_batch_{unit}` | `global_batch` | {unit} in this optimizer step, all DP ranks and microbatches |
-| `cbs/micro_batch_{unit}` | `micro_batch` | mean {unit} of one microbatch on one rank |
-| `cbs/accumulation_steps` | `accumulation_steps` | microbatches per rank in this step's window |
-| `cbs/dp_degree` | `dp_degree` | data-parallel ranks (ranks that see different data) |
-| `cbs/{unit}_seen` | `tokens_seen` | {unit} consumed by all DP ranks, this step included |
-| `cbs/lr` | `lr` | learning rate of the first param group after this step |
-| `cbs/scheduled_lr` | `scheduled_lr` | learning rate the schedule sets, before the batch-size coupling |
-| `cbs/lr_coupling` | `lr_coupling` | factor the batch-size coupling multiplies the schedule by |
-| `cbs/lr_conversions` | `lr_conversions` | doublings made in place of a halving of the scheduled LR |
-| `cbs/dropped` | `dropped` | 1 if the step's gradients were not finite (not measured), else 0 |
-| `cbs_{unit}/noise_scale` | `noise_scale` | as cbs/noise_scale, x = {unit} seen |
-| `cbs_{unit}/critical_batch` | `critical_batch` | as cbs/critical_batch, x = {unit} seen |
-| `cbs_{unit}/global_batch_{unit}` | `global_batch` | as cbs/global_batch_{unit}, x = {unit} seen |
-| `cbs_{unit}/accumulation_steps` | `accumulation_steps` | as cbs/accumulation_steps, x = {unit} seen |
-
-With Lightning, write ``record_scalars(r)`` at ``step=r.step`` and
-``schedule_scalars(r)`` at ``step=schedule_step(r)``. Loggers that require
-monotonically increasing steps across calls (Weights & Biases) must not get the
-second call: ``cbs/{unit}_seen`` is there to pick as their x-axis instead.
+``TensorBoardLogger(log_dir).log(record)`` writes one ``StepRecord`` per optimizer
+step: the ``cbs/`` tags against the optimizer step and the schedule tags again
+under ``cbs_{unit}/`` against the units seen. The tag names live in
+:mod:`cbs_tracker.core.tags` (re-exported here); ``docs/design.md`` (Logging)
+has the tag table and explains the two x-axes.
 """
 
 from __future__ import annotations
@@ -91,7 +37,7 @@ __all__ = [
 
 
 class TensorBoardLogger:
-    """Writes each ``StepRecord`` to TensorBoard event files (tags and x-axes: see the module docstring).
+    """Writes each ``StepRecord`` to TensorBoard event files (tags and x-axes: ``docs/design.md``, Logging).
 
     A small wrapper around ``torch.utils.tensorboard.SummaryWriter``. The
     writer (and ``log_dir``) is created on the first ``log`` call of the rank

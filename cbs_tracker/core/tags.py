@@ -24,7 +24,7 @@ class TagSpec:
     Attributes:
         tag: tag name; ``{unit}`` stands for the record's unit.
         field: the ``StepRecord`` attribute written under it.
-        meaning: one line for the README.
+        meaning: one line for the tag table of ``docs/design.md``.
     """
 
     tag: str
@@ -32,8 +32,8 @@ class TagSpec:
     meaning: str
 
 
-# The tag table: the only place where tag names are spelled. The module
-# docstring repeats it for readers; tests/test_tb.py checks that they agree.
+# The tag table: the only place where tag names are spelled. docs/design.md
+# (Logging) repeats it for readers; tests/test_tb.py checks that they agree.
 TAGS: tuple[TagSpec, ...] = (
     TagSpec("cbs/noise_scale", "noise_scale", "B_simple = tr(Sigma) / abs(G)^2, smoothed, in {unit}"),
     TagSpec("cbs/noise_scale_low", "noise_scale_low", "lower end of the 90% confidence interval of cbs/noise_scale"),
