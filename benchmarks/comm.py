@@ -1,23 +1,8 @@
 """Communication the tracker adds per optimizer step, counted under DDP and FSDP2 (gloo, CPU).
 
-Spawns ``--world`` gloo ranks. Every collective function of ``torch.distributed``
-(``all_reduce``, ``all_gather*``, ``reduce_scatter*``, ``broadcast``, ``barrier``,
-...) is wrapped to count calls and the bytes of their tensor arguments, in two
-runs of the same loop (small GPT, ``--accumulation`` microbatches per rank):
-
-* **with the tracker**: the collectives issued inside ``tracker.step()`` are the
-  tracker's; the run's total per step is also counted;
-* **without the tracker**: the same loop with the same gradient-sync pattern
-  (DDP ``no_sync`` / FSDP ``set_requires_gradient_sync`` on all but the last
-  microbatch, or FSDP syncing every microbatch).
-
-``with - without`` is what the tracker adds anywhere (hooks, microbatch
-context, step); it must equal what was counted inside ``tracker.step()``.
-DDP's gradient all-reduce runs in C++ (its reducer) and is not visible to the
-wrappers; FSDP2's all-gathers and reduce-scatters go through
-``torch.distributed`` and are counted.
-
-Run::
+Wraps every collective of ``torch.distributed`` to count calls and bytes, in the same
+loop with and without the tracker; the difference must equal what ``tracker.step()``
+issued. DDP's own gradient all-reduce runs in C++ and is not counted; FSDP2's is.
 
     python benchmarks/comm.py [--world 2] [--accumulation 4] [--steps 4] [--json]
 """

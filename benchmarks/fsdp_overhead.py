@@ -1,18 +1,10 @@
 """FSDP2 step time with and without the tracker on CPU (gloo ranks, interleaved, median).
 
-Spawns ``--world`` gloo ranks. Each builds two identical FSDP2 GPTs (every block
-and the root ``fully_shard``-ed, AdamW over the shards): one driven by
-:class:`~cbs_tracker.integrations.fsdp.FSDPTracker` (observe-only: hooks on the
-unsharded parameters, the sharded big norm, the one ``all_reduce``, the
-estimator), one by the same loop without it (the same gradient-sync pattern:
-``set_requires_gradient_sync`` off on all but the last microbatch). Optimizer
-steps alternate between the two, the order flipping every pair, each timed
-between two barriers, so machine noise hits both alike; the median step-time
-ratio (and the median of the per-pair ratios) is printed.
+Two identical FSDP2 GPTs per rank, one driven by an observe-only ``FSDPTracker``, one by
+the same loop without it; steps alternate (order flipped every pair) so machine noise
+hits both alike, and the median step-time ratio is printed (``--control``: A/A run).
 
-    python benchmarks/fsdp_overhead.py                    # demo GPT (0.45M), 512 tokens/microbatch
-    python benchmarks/fsdp_overhead.py --preset 10m --micro-sequences 8 --seq-len 256
-    python benchmarks/fsdp_overhead.py --json             # last line: {"step_time_ratio": ...}
+    python benchmarks/fsdp_overhead.py [--preset 10m --micro-sequences 8 --seq-len 256] [--json]
 """
 
 from __future__ import annotations

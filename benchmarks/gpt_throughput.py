@@ -1,12 +1,9 @@
 """Training throughput of the demo GPT on the standard-library corpus.
 
-Times forward + backward + AdamW step at one microbatch per step (default
-32 x 128 tokens, one CPU thread) and prints tokens per second, the median over
-timed steps after a warm-up.
+Times forward + backward + AdamW step at one microbatch per step and prints tokens per
+second, the median over timed steps after a warm-up.
 
-    python benchmarks/gpt_throughput.py            # default model, 1 thread
-    python benchmarks/gpt_throughput.py --preset 10m --micro-sequences 8 --seq-len 256
-    python benchmarks/gpt_throughput.py --json     # last line: {"tokens_per_s": ...}
+    python benchmarks/gpt_throughput.py [--preset 10m --micro-sequences 8 --seq-len 256] [--json]
 """
 
 from __future__ import annotations

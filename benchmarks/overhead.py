@@ -1,15 +1,11 @@
 """What the tracker costs: step time and peak memory with and without it, side by side.
 
-The same model, data and optimizer run optimizer steps alternately without the
-tracker and with it (observe-only: hooks, the big norm, the reduction, the
-estimator), interleaved in one process so machine noise hits both alike; the
-median step-time ratio is printed. Peak memory is measured in two fresh child
-processes (one per variant) as the peak resident set size (CPU) or
-``torch.cuda.max_memory_allocated`` (CUDA), and compared with the size of one
-full copy of the gradients.
+Step time: the same model, data and optimizer alternate steps without and with an
+observe-only tracker in one process; the median ratio is printed. Peak memory: two fresh
+child processes (peak RSS on CPU, ``max_memory_allocated`` on CUDA), compared with the
+size of one copy of the gradients.
 
-    python benchmarks/overhead.py            # ~10.8M-parameter GPT, 2,048 tokens per microbatch
-    python benchmarks/overhead.py --json     # last line: {"step_time_ratio": ..., "peak_memory_ratio": ...}
+    python benchmarks/overhead.py [--json]     # 10m-preset GPT by default
 """
 
 from __future__ import annotations

@@ -1,57 +1,10 @@
 """The proof experiment: the tracker against constant batches and a hand ramp on a small GPT.
 
-Every run trains the same small byte-level GPT (``cbs_tracker.demo.gpt``, 2 layers,
-width 128, 4 heads, context 128, 0.45M parameters) on the running Python's
-standard library (``cbs_tracker.demo.corpus``) with AdamW (lr 2e-3 after a 200k-token
-linear warm-up, betas (0.9, 0.95), weight decay 0.1, clipping at 1.0) for the
-same number of tokens (the budget, 5 * 2**20 = 5,242,880 tokens). For a given
-seed every run starts from the same initialisation and reads the same sequences
-in the same order (``SequenceStream`` makes sequence ``i`` a function of
-``(seed, i)`` only, however the batch is cut); only the batch schedule differs:
+Same model, data order and token budget for every run; only the batch schedule differs.
+``docs/design.md`` (The proof experiment) gives the protocol, the README the results.
 
-* ``constant``: constant global batches of 256 .. 32k tokens (256 and 512 bracket
-  the best one at this budget, below the tracker's start);
-* ``hand_ramp``: 2k -> 4k -> 8k -> 16k tokens for the first 50 / 25 / 15 / 10% of
-  the budget (seed 001's hand-picked ramp, scaled);
-* ``tracker_default``: ``CBSTracker`` with ``BatchSizeController()`` at its
-  defaults, starting at 512 tokens;
-* ``tracker_budget``: the same start with the controller's budget-aware mode
-  given the budget (``BatchSizeController(budget_tokens=...)``).
-
-The best constant batch (lowest final validation loss at seed 0) and the hand
-ramp are repeated at seed 1, the tracker runs too; the best constant, the hand
-ramp and the budget-aware tracker are also run with a cosine learning-rate decay
-(to 10% of the peak, after the same warm-up).
-
-Microbatches. A global batch is ``micro * A`` (``A`` = accumulation steps, one
-process). Every run needs ``A >= 2`` to be measured (DESIGN §2 rule 7). The
-constants from 1k and the hand ramp use 512-token microbatches (4 sequences of
-128; the 1k constant has ``A = 2``); the 512 and 256 constants use 256- and
-128-token microbatches (``A = 2``); the tracker runs start at 512 tokens with
-256-token microbatches (``A = 2``) and keep them (the tracker changes ``A`` only:
-``A = 64`` at 16k tokens). Every run, constants
-included, goes through ``CBSTracker`` (observe-only for the constants, the hand
-ramp as a fixed schedule object passed as its controller), so every run logs
-the measured noise scale to TensorBoard.
-
-The tracker runs use the library as a user would: ``CBSTracker(model, optimizer,
-accumulation_steps=2, controller=BatchSizeController(...), logger=...)``, the loop
-asks ``tracker.accumulation_steps`` before each window, calls ``tracker.step()``
-before clipping, and sets the learning rate of the schedule (by tokens) itself.
-
-Usage (runs two at a time in subprocesses with one torch thread each; a finished
-run is reused unless ``--force``; ``runs/`` is ignored by git)::
-
-    python examples/gpt_proof.py --out runs/proof           # everything: 18 runs, ~45 min on 2 idle cores
-    python examples/gpt_proof.py --out runs/proof --only constant,hand_ramp
+    python examples/gpt_proof.py --out runs/proof           # everything (--only constant,hand_ramp: a part)
     python examples/gpt_proof.py --quick --out /tmp/proof   # tiny model and budget (smoke test)
-
-Outputs under ``--out``: ``results.json`` (one entry per run: ``schedule``,
-``final_val_loss``, ``steps``, ``steps_to_best_constant``, ``seed`` and more),
-``table.md`` (the table, also printed), ``proof.png`` (validation loss against
-tokens and against steps; batch schedules and measured noise scales against
-tokens), ``tb/<run>/`` (TensorBoard logs: the tracker's ``cbs/`` tags and
-``val/loss``), ``runs/<run>.json`` (each run's curves) and ``logs/<run>.log``.
 """
 
 from __future__ import annotations

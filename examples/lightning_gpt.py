@@ -1,17 +1,11 @@
 """A Lightning GPT whose batch grows as the measured noise scale grows (``CBSCallback``).
 
-Small byte-level GPT on the standard library's ``.py`` files (no download). It
-starts at a 512-token global batch (microbatches of 2 x 128 tokens,
-``accumulate_grad_batches=2``); ``CBSCallback`` with the default
-:class:`~cbs_tracker.BatchSizeController` measures the noise scale in
-loss-contributing tokens and doubles ``accumulate_grad_batches`` mid-epoch, at
-a safe batch, when the critical batch has risen. Logs go to Lightning's
-``TensorBoardLogger``. About 1–2 minutes on one CPU thread.
+The small byte-level GPT on the standard library's ``.py`` files starts at a 512-token
+global batch (``accumulate_grad_batches=2``); ``CBSCallback`` with the default
+controller doubles ``accumulate_grad_batches`` mid-epoch, at a safe batch. Logs go to
+Lightning's ``TensorBoardLogger`` (``cbs/*`` against steps, ``cbs_tokens/*`` against tokens).
 
-    python examples/lightning_gpt.py               # logs in runs/lightning_gpt
-    tensorboard --logdir runs/lightning_gpt        # cbs/* against steps, cbs_tokens/* against tokens
-    python examples/lightning_gpt.py --quick       # a few seconds (smoke test)
-    python examples/lightning_gpt.py --quick --devices 2 --strategy ddp   # two CPU processes (gloo)
+    python examples/lightning_gpt.py [--quick] [--devices 2 --strategy ddp]   # logs in runs/lightning_gpt
 """
 
 from __future__ import annotations

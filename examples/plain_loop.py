@@ -1,14 +1,11 @@
 """A plain PyTorch loop that grows its batch as the measured noise scale grows.
 
-Small byte-level GPT on the standard library's ``.py`` files (no download).
-It starts at a 512-token global batch (2 microbatches of 256 tokens), lets the
-default :class:`~cbs_tracker.BatchSizeController` double the accumulation as
-the critical batch rises, writes TensorBoard logs and draws the schedule.
-About a minute on one CPU thread.
+The small byte-level GPT on the standard library's ``.py`` files starts at a 512-token
+global batch (2 microbatches of 256 tokens); the default ``BatchSizeController``
+doubles the accumulation as the critical batch rises. Writes TensorBoard logs to
+``runs/plain_loop`` and draws ``schedule.png``; about a minute on one CPU thread.
 
-    python examples/plain_loop.py                  # logs in runs/plain_loop, schedule.png
-    tensorboard --logdir runs/plain_loop           # cbs/* against steps, cbs_tokens/* against tokens
-    python examples/plain_loop.py --quick          # a few seconds (smoke test)
+    python examples/plain_loop.py [--quick]
 """
 
 from __future__ import annotations

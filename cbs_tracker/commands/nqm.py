@@ -1,21 +1,11 @@
 """``cbs-tracker nqm``: batch schedules compared at equal budget on the noisy quadratic model.
 
-Example::
-
-    cbs-tracker nqm                       # the seed's setting, D = 3e6 samples
-    cbs-tracker nqm --budget 1e7 --json -o nqm.png
-
-prints one line per schedule (final expected loss, how many times lower than
-the best constant batch, ratio to the optimum, optimizer steps), with
-``--json`` one JSON object as the last line keyed by schedule
-(``{"constant": {"final_loss", "ratio_vs_constant", "ratio_vs_optimal", "steps"}, ...}``),
-and with ``-o`` a PNG in the spirit of the seed's figure: loss against tokens
-(log-log and linear) and the batch schedules, with the analytic power law
-``(T - t + 1)^(1/(2 beta) - 1)`` and the best constant batch's noise floor.
-
-Rows come from :func:`cbs_tracker.theory.nqm.compare_schedules`; rows registered with
-:func:`cbs_tracker.theory.nqm.register_row` (for instance by ``cbs_tracker.theory.nqm_online``,
-imported automatically when it exists) are included unless ``--no-extra``.
+``cbs-tracker nqm [--budget 3e6] [--json] [-o nqm.png] [--no-extra]`` prints one line
+per schedule (final expected loss, ratio to the best constant batch and to the
+optimum, optimizer steps); ``--json`` adds one JSON object keyed by schedule as the
+last line; ``-o`` draws loss and batch against tokens. Rows come from
+:func:`cbs_tracker.theory.nqm.compare_schedules` plus the registered rows
+(``cbs_tracker.theory.nqm_online``) unless ``--no-extra``.
 """
 
 from __future__ import annotations
@@ -41,7 +31,7 @@ from cbs_tracker.theory.schedule import power_law_schedule
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cbs-tracker nqm",
-        description="Compare batch schedules at equal budget on the exact noisy quadratic model (seed 001 §4).",
+        description="Compare batch schedules at equal budget on the exact noisy quadratic model.",
     )
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="samples to spend (default 3e6)")
     parser.add_argument("--b-min", type=float, default=DEFAULT_B_MIN, help="smallest batch (default 8)")

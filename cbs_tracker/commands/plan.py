@@ -1,15 +1,11 @@
-"""``cbs-tracker plan``: the power-of-two doubling plan of the FSL optimum for a token budget.
+"""``cbs-tracker plan``: the power-of-two doubling plan of the FSL optimum for a budget.
 
-Example::
-
-    cbs-tracker plan --budget 3e6 --b-min 8 --b-max 8192 --s 0.49 --beta 1.96
-
-prints the regime, the optimum's steps ``T`` and hold phase, then one line per
-rung: the batch, the tokens consumed when it starts (``z_j``) and that
-position as a fraction of the budget. ``--json`` adds one JSON object as the
-last line. All sizes share the budget's unit (tokens or samples). See
-:func:`cbs_tracker.theory.schedule.plan_doubling` for how the free scale is fixed
-(``--reference-batch``, ``--floor-ratio``, ``--steps``).
+``cbs-tracker plan --budget 3e6 --b-min 8 --b-max 8192 --s 0.49 --beta 1.96`` prints
+the regime, the optimum's steps and hold phase, then one line per rung: the batch,
+the units consumed when it starts and that position as a fraction of the budget
+(``--json`` adds one JSON object as the last line). All sizes share the budget's
+unit; :func:`cbs_tracker.theory.schedule.plan_doubling` says how the free scale is
+fixed (``--reference-batch``, ``--floor-ratio``, ``--steps``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """``cbs-tracker plot LOGDIR -o schedule.png``: the batch schedule against tokens, from TensorBoard logs.
 
-Reads every TensorBoard event file under ``LOGDIR`` (recursively; each folder
-that holds event files is one run) with TensorBoard's own reader, keeps the
-``cbs/`` tags written by ``cbs_tracker.TensorBoardLogger`` or ``CBSCallback``
-(tag table: ``cbs_tracker.integrations.tensorboard``), and draws for each run, against the units seen
-(x taken from ``cbs/tokens_seen`` or ``cbs/samples_seen``, joined on the
-optimizer step) and on a log-scale y-axis:
-
-* the smoothed noise scale ``cbs/noise_scale`` (solid),
-* the controller's target ``cbs/critical_batch`` (dashed),
-* the global batch ``cbs/global_batch_{unit}`` (thick steps),
-* a dotted vertical line at each change of the batch, labelled with its factor.
-
-A change of the batch is a change of the microbatches per optimizer step,
-``accumulation_steps * dp_degree``, that lasts at least two logged steps, so the
-short last window of an epoch is not mistaken for one (``find_batch_changes``).
-
-``read_cbs_scalars`` and ``find_batch_changes`` are plain functions for scripts
-that analyse runs.
+Reads the ``cbs/`` tags of every run under ``LOGDIR`` (each folder holding event
+files is a run) and draws, against the units seen, the noise scale, the critical
+batch, the global batch and a line at each change of the batch. ``read_cbs_scalars``
+and ``find_batch_changes`` are plain functions for scripts that analyse runs; the
+tags and what counts as a change are in ``docs/design.md`` (Logging).
 """
 
 from __future__ import annotations

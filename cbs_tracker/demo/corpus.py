@@ -1,21 +1,10 @@
 """The embedded demo data: byte-level text of the running Python's standard library.
 
-Every Python installation carries its standard library's ``.py`` files, so the
-demo, the examples and the proof experiment train on data that needs no
-download. The corpus is the concatenation of those files' bytes (vocabulary
-256, one token per byte), in sorted order of their paths relative to the
-standard-library directory (``sysconfig.get_paths()["stdlib"]``), with
-``site-packages/`` and ``dist-packages/`` left out (those hold whatever the
-user installed) and the ``test/`` packages kept. The last 1% of the bytes is
-the validation split. On CPython 3.11 this is about 1,800 files and 31.5 MB; a
-Python whose distribution strips the ``test`` package gives a smaller corpus
-(``Corpus.num_bytes`` says how large).
-
-Data order. :class:`SequenceStream` draws training windows so that sequence
-``i`` of the stream is a pure function of ``(seed, i)``: a run that takes 8
-sequences per optimizer step in one microbatch and a run that takes them as two
-microbatches of 4 (or as 2 data-parallel ranks of 4) see the same sequences in
-the same order. Experiments that compare batch schedules rely on it.
+:func:`load_corpus` returns the standard library's ``.py`` files as bytes (vocabulary
+256, no download; the last 1% is the validation split); :class:`SequenceStream` draws
+training windows so that sequence ``i`` depends only on ``(seed, i)``, whatever the
+microbatch and rank split, and :func:`evaluate` gives the validation loss.
+``docs/design.md`` (Demo data) says which files are included and why.
 """
 
 from __future__ import annotations

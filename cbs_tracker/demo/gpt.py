@@ -1,21 +1,10 @@
 """A small GPT for the demo, the examples, the benchmarks and the proof experiment.
 
-The architecture follows nanoGPT (Karpathy, ``model.py``) and GPT-2 (Radford
-et al. 2019): learned token and position embeddings, ``n_layer`` pre-LayerNorm
-blocks ``x + Attn(LN(x))`` then ``x + MLP(LN(x))`` (MLP width ``4 d``, GELU),
-causal self-attention through
-:func:`torch.nn.functional.scaled_dot_product_attention` with
-``is_causal=True``, a final LayerNorm, and an output head **tied** to the token
-embedding (``lm_head.weight is wte.weight``) unless ``tie_weights=False``.
-
-Initialisation as in nanoGPT / GPT-2: every Linear and Embedding weight
-``N(0, 0.02²)``, biases zero, and the two residual output projections of each
-block ``N(0, (0.02 / sqrt(2 n_layer))²)``.
-
-Sizes (tied head, biases on): the default ``GPTConfig()`` (2 layers, width
-128, 4 heads, context 128, vocabulary 256) has 445,952 parameters;
-``GPTConfig.preset("10m")`` (6 layers, width 384, 6 heads, context 256) has
-10,844,160.
+A nanoGPT / GPT-2 style decoder (pre-LayerNorm blocks, causal
+``scaled_dot_product_attention``, head tied to the token embedding) with GPT-2's
+initialisation. ``GPT(GPTConfig())`` is the small default; ``GPTConfig.preset("10m")``
+the larger model of the overhead benchmark; :func:`make_adamw` the optimizer the
+examples use. ``docs/design.md`` (Demo data) describes the architecture.
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """The noisy quadratic model (NQM): exact in expectation, Monte-Carlo, and an online driver.
 
-Model (seed 001 §4, DESIGN §6; Zhang et al. 2019, "Which algorithmic choices
-matter at which batch sizes?"). Independent coordinates ``i`` with curvature
-``h_i``; the per-example gradient is ``h_i theta_i + xi_i`` with
-``Var(xi_i) = sigma_i^2``; SGD with step size ``eta`` and batch ``B_k``. With
-``v_i = E[theta_i^2]`` the expected loss obeys, exactly,
-
-    v_{i,k+1} = (1 - eta h_i)^2 v_{i,k} + eta^2 sigma_i^2 / B_k,      L_k = 1/2 sum_i h_i v_{i,k}
-
-so after ``T`` steps ``L_T = S(T) + sum_k kappa(T-1-k) / B_k`` with the signal
-``S(T) = 1/2 sum_i h_i v_{i,0} (1 - eta h_i)^(2T)`` and the noise kernel
-``kappa(j) = 1/2 eta^2 sum_i h_i sigma_i^2 (1 - eta h_i)^(2j)``: the FSL form of
-:mod:`cbs_tracker.theory.schedule`, so at a fixed budget the exact optimum for a fixed
-``T`` is ``B_k = clip(c sqrt(kappa(T-1-k)), B_min, B_max)`` (Cauchy-Schwarz).
-
-The seed's setting is the default (:class:`NQMConfig`): 1500 curvatures
-geometric over ``[1e-5, 1]``, ``eta = 0.5``, ``v_{i,0} ∝ h_i^(0.3 - 1)`` scaled
-to ``L_0 = 1``, ``sigma_i^2 ∝ h_i^0.5`` scaled so the noise floor at ``B = 8`` is
-0.5; budget ``D = 3e6`` samples, ``B_min = 8``, ``B_max = 8192``.
-
-The exact noise scale: ``tr(Sigma) = sum_i sigma_i^2`` and ``|G|^2`` is
-``E|grad L|^2 = sum_i h_i^2 v_i`` over the iterate distribution. Near the noise
-floor ``v_i`` is mostly the iterate's own fluctuation, ``∝ 1/B``, so
-``B_simple = tr(Sigma)/|G|^2`` grows with ``B`` (the feedback trap, DESIGN §4).
-
-Public pieces:
-
-* :class:`ExactNQM`: closed forms, fast evaluation of any schedule, the exact
-  optimum, and a steppable state (:meth:`ExactNQM.step`) for online policies.
-* :class:`MonteCarloNQM`: one sampled run; draws real microbatch gradients.
-* :func:`run_online`: drives either model with a policy that picks each batch.
-* :func:`compare_schedules`: best constant, best two-stage, doubling, optimum
-  (and the FSL planner's plan) at equal budget; other modules add rows with
-  :func:`register_row` (``cbs_tracker.theory.nqm_online`` is imported automatically
-  when it exists).
+After Zhang et al. 2019, "Which algorithmic choices matter at which batch sizes?";
+``docs/design.md`` (Theory) gives the model, its default setting and why it is the
+test bed of the controller. :class:`ExactNQM` evaluates any batch schedule in closed
+form (and steps for online policies), :class:`MonteCarloNQM` draws real microbatch
+gradients, :func:`run_online` drives either with a policy, and
+:func:`compare_schedules` reports the schedules at equal budget (other modules add
+rows with :func:`register_row`; ``cbs_tracker.theory.nqm_online`` is imported for it).
 """
 
 from __future__ import annotations
@@ -80,9 +53,8 @@ DEFAULT_B_MAX = 8192.0
 # Fit windows of measure_exponents (steps). The signal S(T) is a power law only
 # between the fastest and the slowest time scale 1/(2 eta h) in [1, 1e5]; its
 # local slope rises from 0.3 (the continuum source exponent) at T ~ 10 to 0.66 at
-# T ~ 1e4, so "s" depends on the window: [10, 1e5] gives the seed's 0.49. The
-# kernel's local slope is flat (-1.49 .. -1.50) over [10, 1e3] ("the middle
-# segment" of the seed's diagnostic figure) and gives beta = 1.95.
+# T ~ 1e4, so "s" depends on the window: [10, 1e5] gives s ~ 0.49. The kernel's
+# local slope is flat (-1.49 .. -1.50) over [10, 1e3], which gives beta ~ 1.95.
 S_WINDOW = (10.0, 1e5)
 BETA_WINDOW = (10.0, 1e3)
 
@@ -112,7 +84,7 @@ def _positive(name: str, value: object) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class NQMConfig:
-    """The spectrum and step size of the NQM (defaults: the seed's setting).
+    """The spectrum and step size of the NQM (defaults: the reference setting of ``docs/design.md``, Theory).
 
     Attributes:
         dims: number of coordinates (curvatures), ``>= 1``.
@@ -339,7 +311,7 @@ class ExactNQM:
     """The NQM in expectation: closed forms, schedule evaluation and a steppable state.
 
     Args:
-        config: the spectrum (default: the seed's, :class:`NQMConfig`).
+        config: the spectrum (default: :class:`NQMConfig`).
 
     The steppable part starts at ``L_0`` and moves by :meth:`step`;
     :meth:`reset` returns to the start. Evaluation methods
@@ -503,7 +475,7 @@ class ExactNQM:
         ``s = -slope of log S(T)`` over ``T`` in ``s_window``; ``q`` = slope of
         ``log kappa(j)`` against ``log j`` over ``beta_window`` and
         ``beta = 1/(q + 2)`` (FSL: ``K(tau) ≍ tau^(1/beta - 2)``). With the default
-        windows the seed's setting gives ``s = 0.495``, ``beta = 1.954``; the
+        windows the default setting gives ``s = 0.495``, ``beta = 1.954``; the
         continuum limits of this spectrum are ``s = source_exponent = 0.3`` and
         ``beta = 1/(1 - noise_exponent) = 2`` (see ``S_WINDOW`` for why ``s`` moves).
         """
@@ -712,7 +684,7 @@ class MonteCarloNQM:
         mc.loss()
 
     Args:
-        config: the spectrum (default: the seed's).
+        config: the spectrum (default: :class:`NQMConfig`).
         seed: seed of the generator (initial point and all gradient noise).
     """
 

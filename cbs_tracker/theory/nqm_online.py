@@ -1,31 +1,11 @@
-"""The library's own controller and estimator on the noisy quadratic model (issue 6, item 3).
+"""The library's own controller and estimator on the noisy quadratic model.
 
 Runs :class:`~cbs_tracker.policy.controller.BatchSizeController` on the NQM of
-:mod:`cbs_tracker.theory.nqm`, in four variants, with the **same** settings at every
-budget (only the problem's bounds ``B_min``, ``B_max`` enter them, and the
-budget itself in budget-aware mode):
-
-* ``online``: the default (budget-unaware) controller fed the **exact** noise
-  scale ``B_simple = tr(Sigma) / E|G|^2`` of the expected dynamics;
-* ``online_estimated``: the same controller fed the library's
-  :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator` on sampled minibatch
-  gradients of one Monte-Carlo run (``K = B / (B_min / 4)`` microbatches a step);
-* ``budget_aware`` / ``budget_aware_estimated``: the same with
-  ``budget_tokens=D``.
-
-Every row's ``final_loss`` is the exact model's expected loss of the batch
-sequence the controller chose (for the sampled runs too), so rows compare
-without Monte-Carlo noise in the loss itself.
-
-Importing this module registers the rows with :func:`cbs_tracker.theory.nqm.register_row`,
-so ``cbs-tracker nqm`` prints them (``--no-extra`` leaves them out).
-
-The sampled runs use :class:`ChiSquareMonteCarlo`, which draws the step's mean
-gradient and the sum of its microbatches' squared deviations directly (Cochran's
-theorem) instead of ``K`` full microbatch gradients: the same joint distribution
-of (update, ``|G_small|^2``, ``|G_big|^2``) as
-:meth:`cbs_tracker.theory.nqm.MonteCarloNQM.microbatch_gradients`, at a cost independent
-of ``K`` (the late steps have ``K`` in the thousands).
+:mod:`cbs_tracker.theory.nqm` with the same settings at every budget, fed the exact
+noise scale or the library's :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`
+on sampled gradients, budget-unaware and budget-aware. Importing this module
+registers those rows with :func:`cbs_tracker.theory.nqm.register_row`, so
+``cbs-tracker nqm`` prints them; ``docs/design.md`` (Theory) explains the variants.
 """
 
 from __future__ import annotations
@@ -70,7 +50,7 @@ def nqm_controller(
 ) -> BatchSizeController:
     """The controller as the NQM comparison runs it: library defaults plus the problem's bounds.
 
-    ``max_batch = b_max`` and ``max_accumulation_steps = b_max / b_min`` (the seed's
+    ``max_batch = b_max`` and ``max_accumulation_steps = b_max / b_min`` (the default
     ``B_max = 8192`` is 1024 starting batches, beyond the default cap of 256);
     ``budget_tokens = budget`` for the budget-aware rows. Nothing else is set: every
     other option keeps its library default, at every budget.
@@ -101,7 +81,7 @@ class ChiSquareMonteCarlo:
     update ``theta <- theta - eta g``.
 
     Args:
-        config: the spectrum (default: the seed's).
+        config: the spectrum (default: :class:`~cbs_tracker.theory.nqm.NQMConfig`).
         seed: seed of the generator (initial point and all noise).
     """
 
@@ -225,7 +205,7 @@ def run_controller(
             :class:`NoiseScaleEstimator` with its defaults) and its smoothed
             noise scale to the controller.
         seed: Monte-Carlo seed.
-        config: the NQM spectrum (default: the seed's).
+        config: the NQM spectrum (default: :class:`~cbs_tracker.theory.nqm.NQMConfig`).
         controller: a controller to use instead of :func:`nqm_controller`'s.
         estimator: an estimator to use instead of the default one.
 

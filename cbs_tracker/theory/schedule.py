@@ -1,40 +1,11 @@
 """The optimal batch-size schedule under a functional scaling law (FSL): pure numpy.
 
-Setting (seed 001 §3, after Wang, Li, Zhou, ..., Wu, *Fast Catch-Up, Late
-Switching: Optimal Batch Size Scheduling via Functional Scaling Laws*, 2026).
-Optimizer steps are ``t = 1..T``, ``b(t)`` is the batch of step ``t`` (tokens or
-samples: any unit, the same one as the budget), the budget is
-``sum_t b(t) = D``, and the excess loss after ``T`` steps is
-
-    E[T, b] = A T^(-s) + C sum_{t=1}^{T} K(T - t) / b(t),   K(tau) = (tau + 1)^(1/beta - 2)
-
-with source exponent ``s > 0`` and capacity exponent ``beta > 1``. The first
-term is the signal (it depends on the number of steps only), the second the
-accumulated gradient noise (recent steps weigh most).
-
-* For a fixed ``T``, Cauchy-Schwarz gives ``b*(t) ∝ sqrt(K(T - t))``, i.e. the
-  clipped power law ``b*(t) = clip(c (T - t + 1)^p, B_min, B_max)`` with
-  ``p = 1/(2 beta) - 1 < 0`` (it grows, faster and faster, towards the end);
-  ``c`` is solved exactly from the budget (:func:`power_law_schedule`).
-* ``T`` itself: ``T* ≍ D^(beta/(1 + s beta))`` (:func:`optimal_steps_exponent`)
-  gives the scaling only; :func:`optimal_schedule` minimises ``E`` over the
-  integer ``T`` numerically, which needs the ratio ``C/A`` (:class:`ScalingLaw`).
-* Regimes: hard ``s <= 1 - 1/beta`` (LLMs: hold ``B_min``, ramp late), easy
-  otherwise (grow throughout) (:func:`regime`).
-* One switch ``B_1 -> B_2`` (:func:`two_stage_optimum`): the interior optimum of
-  the switch point satisfies the balance equation
-  ``A s S^(-s-1) = C [K(S)/B_1 + K(R)/B_2]`` with ``S`` the total and ``R`` the
-  second-stage steps (continuous time, seed §3.4).
-* Powers of two (:func:`doubling_plan`, :func:`plan_doubling`): rungs
-  ``B_j = B_min 2^j``; the switch to ``B_j`` happens where the continuous optimum
-  crosses ``sqrt(B_(j-1) B_j)`` (default; the staircase's own optimality
-  condition, see :func:`doubling_plan`) or ``B_j`` (the seed's literal
-  ``t_j = T + 1 - (B_j / c)^(1/p)``), at the token position
-  ``z_j = sum_{t < t_j} b*(t)``.
-
-Entry point for an online controller: ``plan = plan_doubling(budget, b_min, b_max,
-s, beta)`` then ``plan.batch_at_tokens(tokens_seen)`` at each step (see
-:func:`plan_doubling` for how the one free scale is fixed).
+After Wang, Li, Zhou, ..., Wu, *Fast Catch-Up, Late Switching: Optimal Batch Size
+Scheduling via Functional Scaling Laws* (2026): the clipped power-law optimum, the
+choice of ``T``, the two-stage optimum, the power-of-two doubling plan and the
+easy/hard regime test; ``docs/design.md`` (Theory) gives the equations. An online
+controller calls ``plan_doubling(budget, b_min, b_max, s, beta)`` once, then
+``plan.batch_at_tokens(tokens_seen)`` at each step.
 """
 
 from __future__ import annotations
@@ -117,7 +88,7 @@ def _check_bounds(budget: object, b_min: object, b_max: object) -> tuple[float, 
 
 
 def power_law_exponent(beta: float) -> float:
-    """Exponent ``p = 1/(2 beta) - 1`` of the optimum ``b*(t) ∝ (T - t + 1)^p`` (seed §3.2).
+    """Exponent ``p = 1/(2 beta) - 1`` of the optimum ``b*(t) ∝ (T - t + 1)^p``.
 
     ``sqrt(K(tau)) = (tau + 1)^((1/beta - 2)/2)``; ``p`` is in ``(-1, -1/2)`` for ``beta > 1``.
     """
@@ -126,7 +97,7 @@ def power_law_exponent(beta: float) -> float:
 
 
 def optimal_steps_exponent(s: float, beta: float) -> float:
-    """Scaling of the optimal number of steps, ``T* ≍ D^(beta / (1 + s beta))`` (seed §3.3).
+    """Scaling of the optimal number of steps, ``T* ≍ D^(beta / (1 + s beta))``.
 
     Only the exponent: the constant needs the ratio ``C/A`` (see :func:`optimal_schedule`).
     """
@@ -137,7 +108,7 @@ def optimal_steps_exponent(s: float, beta: float) -> float:
 def regime(s: float, beta: float) -> Literal["hard", "easy"]:
     """``"hard"`` when ``s <= 1 - 1/beta`` (hold ``B_min``, ramp late; LLMs), else ``"easy"``.
 
-    Seed §3.3: in the easy regime the optimum grows throughout; in the hard one
+    In the easy regime the optimum grows throughout; in the hard one
     the unconstrained optimum wants ever more steps and the lower batch bound
     makes it "stable, then growth" (the batch-size analogue of WSD).
     """
@@ -191,7 +162,7 @@ def _power_sum(q: float, n: np.ndarray | int) -> np.ndarray:
 class ScalingLaw:
     """The FSL excess loss ``E[T, b] = A T^(-s) + C sum_t K(T - t)/b(t)``.
 
-    ``K(tau) = (tau + 1)^(1/beta - 2)`` (seed §3.1; Li, Wang, ..., Wu 2026). Only
+    ``K(tau) = (tau + 1)^(1/beta - 2)`` (Li, Wang, ..., Wu 2026). Only
     the ratio ``C/A`` changes which schedule is optimal; ``A`` sets the loss scale.
 
     Attributes:
@@ -252,7 +223,7 @@ class ScalingLaw:
     ) -> ScalingLaw:
         """The law whose constant-``b_min`` noise floor is ``floor_ratio * A`` (``A`` = initial excess loss).
 
-        ``C = floor_ratio * A * b_min / zeta(2 - 1/beta)``. The seed's NQM has
+        ``C = floor_ratio * A * b_min / zeta(2 - 1/beta)``. The default NQM has
         ``floor_ratio = 0.5`` (loss 1 at the start, floor 0.5 at ``B_min = 8``).
         """
         _check_positive("floor_ratio", floor_ratio)
@@ -266,9 +237,8 @@ class ScalingLaw:
     ) -> ScalingLaw:
         """The law whose best constant batch at ``budget`` is ``reference_batch``.
 
-        Use the best constant batch a sweep found, or the critical batch a run
-        measured where it no longer follows the batch (DESIGN §7: on a small GPT
-        the measured plateau matched the best constant batch). Solved by
+        Use the best constant batch a sweep found, or a batch derived from the
+        critical batch a run measured where it no longer follows the batch. Solved by
         bisection on ``log(C/A)``: a larger ``C/A`` moves the best constant up.
         """
         s_, beta_ = _check_exponents(s, beta)
@@ -420,7 +390,7 @@ class PowerLawSchedule:
     def first_step_at_least(self, batch: float) -> int:
         """First step ``t`` with ``b(t) >= batch`` (``T + 1`` if never).
 
-        From ``t_j = T + 1 - (batch / c)^(1/p)`` (seed §3.4), rounded up to a step.
+        From ``t_j = T + 1 - (batch / c)^(1/p)`` rounded up to a step.
         """
         if batch <= self.b_min:
             return 1
@@ -500,7 +470,7 @@ def power_law_schedule(
     """The clipped power law over ``steps`` optimizer steps with ``c`` fixed by the budget.
 
     ``b(t) = clip(c (T - t + 1)^(1/(2 beta) - 1), b_min, b_max)`` with
-    ``sum_{t=1}^{T} b(t) = budget`` exactly (seed §3.2: optimal for a fixed ``T``
+    ``sum_{t=1}^{T} b(t) = budget`` exactly (optimal for a fixed ``T``
     by Cauchy-Schwarz).
 
     Raises:
@@ -597,7 +567,7 @@ def _integer_argmin(f, lo: int, hi: int) -> int:  # noqa: ANN001
 
 @dataclass(frozen=True)
 class TwoStageSchedule:
-    """One switch ``B_1 -> B_2`` after ``switch_tokens`` tokens (continuous time, seed §3.4).
+    """One switch ``B_1 -> B_2`` after ``switch_tokens`` tokens (continuous time).
 
     Attributes:
         budget: ``D``.
@@ -644,7 +614,7 @@ def two_stage_optimum(law: ScalingLaw, budget: float, b1: float, b2: float) -> T
     ``E(D_1) = A S^(-s) + (C/B_1) int_R^S K + (C/B_2) int_0^R K``, so
     ``dE/dD_1 = (1/B_1 - 1/B_2) [C K(S)/B_1 + C K(R)/B_2 - A s S^(-s-1)]``: an
     interior minimum is a sign change of the bracket from - to + (the balance
-    equation, seed §3.4). Scans ``D_1`` on a grid, refines each such sign change
+    equation). Scans ``D_1`` on a grid, refines each such sign change
     by bisection and keeps the smallest ``E`` among them and the two ends.
     """
     d = _check_positive("budget", budget)
@@ -736,7 +706,7 @@ class DoublingPlan:
     """A power-of-two (``factor``) staircase taken from a continuous optimum.
 
     The batch is ``batches[0]`` from the start and becomes ``batches[j]`` once
-    ``switch_tokens[j-1]`` tokens have been consumed (``z_j``, seed §3.4);
+    ``switch_tokens[j-1]`` tokens have been consumed (``z_j``);
     :meth:`batches_per_step` is that schedule in whole steps spending the budget
     exactly (each change at the step boundary nearest to ``z_j``).
 
@@ -871,14 +841,14 @@ def doubling_plan(
 
     The switch to rung ``B_j`` happens at the first step ``t_j`` where the optimum
     ``b*(t)`` reaches the threshold ``theta_j``, at token position
-    ``z_j = sum_{t < t_j} b*(t)`` (seed §3.4: ``t_j = T + 1 - (theta_j/c)^(1/p)``).
+    ``z_j = sum_{t < t_j} b*(t)`` (``t_j = T + 1 - (theta_j/c)^(1/p)``).
 
     * ``switch_at="geometric_mean"`` (default): ``theta_j = sqrt(B_(j-1) B_j)``.
       With the budget's Lagrange multiplier ``lambda``, the optimum has
       ``K/b*^2 = lambda``; moving a staircase boundary from ``B`` to ``2B`` by
       one token changes ``E`` by ``K (1/B - 1/(2B)) / ... - lambda (2B - B)/...``,
       zero where ``K = 2 lambda B^2``, i.e. where ``b* = sqrt(2) B``.
-    * ``switch_at="reach"``: ``theta_j = B_j`` (the seed's formula read literally;
+    * ``switch_at="reach"``: ``theta_j = B_j`` (the closed form read literally;
       the staircase then stays below the optimum).
     """
     rungs = _rungs(schedule.b_min, schedule.b_max, factor)
@@ -954,7 +924,7 @@ def plan_doubling(
        :meth:`ScalingLaw.from_reference_batch`;
     3. ``floor_ratio`` (default 0.5): a constant ``b_min`` run would level off at
        ``floor_ratio`` times the initial excess loss
-       (:meth:`ScalingLaw.from_noise_floor`; the seed's NQM has 0.5).
+       (:meth:`ScalingLaw.from_noise_floor`; the default NQM has 0.5).
 
     Args:
         budget: total tokens (or samples) the run will consume.
