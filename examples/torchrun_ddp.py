@@ -1,18 +1,11 @@
 """DDP under torchrun: the small GPT on the standard library, the tracker growing the batch.
 
-Run (CPU, one to three minutes on two shared cores)::
+Every rank trains the same GPT in ``DistributedDataParallel`` on its slice of each global
+batch; ``CBSTracker`` applies ``no_sync`` to all but the last microbatch and adds one
+``all_reduce`` per step, and the controller (identical on every rank) doubles the
+accumulation. Rank 0 prints what was measured.
 
-    torchrun --standalone --nproc_per_node=2 examples/torchrun_ddp.py --backend gloo
-
-and on GPUs ``--backend nccl`` (one GPU per rank). Every rank trains the same
-:class:`~cbs_tracker.demo.gpt.GPT` wrapped in ``DistributedDataParallel``; rank ``r``
-takes the ``r``-th slice of each global batch of the split-invariant
-:class:`~cbs_tracker.demo.corpus.SequenceStream`. :class:`~cbs_tracker.CBSTracker`
-applies ``no_sync`` to all but the last microbatch of each window, reduces its
-sums with one ``all_reduce`` per optimizer step over the data-parallel group, and
-the :class:`~cbs_tracker.BatchSizeController` (identical on every rank, fed only
-all-reduced numbers) doubles the accumulation steps when the measured noise
-scale allows. Rank 0 prints what was measured.
+    torchrun --standalone --nproc_per_node=2 examples/torchrun_ddp.py --backend gloo   # nccl on GPUs
 """
 
 from __future__ import annotations

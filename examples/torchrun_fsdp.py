@@ -1,22 +1,11 @@
 """FSDP2 under torchrun: the small GPT on the standard library, the tracker growing the batch.
 
-Run (CPU, one to three minutes on two shared cores)::
+Each block and the root are ``fully_shard``-ed on a 1-D mesh; ``FSDPTracker`` measures
+(gradient sync on the last microbatch with ``--gradient-sync last``, default, or on
+every one with ``every``; ``--bf16`` for a bf16 ``MixedPrecisionPolicy``) and the
+controller doubles the accumulation. Rank 0 prints what was measured.
 
-    torchrun --standalone --nproc_per_node=2 examples/torchrun_fsdp.py --backend gloo
-
-and on GPUs ``--backend nccl`` (one GPU per rank). Each transformer block and
-the root are wrapped with ``fully_shard`` on a 1-D device mesh over all ranks;
-rank ``r`` takes the ``r``-th slice of each global batch of the split-invariant
-:class:`~cbs_tracker.demo.corpus.SequenceStream`.
-:class:`~cbs_tracker.integrations.fsdp.FSDPTracker` hooks the unsharded
-parameters for the per-microbatch norms, reads the big norm from the sharded
-gradients, turns FSDP's gradient sync off on all but the last microbatch of a
-window (``--gradient-sync last``, default) or leaves it on (``every``), and
-reduces its sums with one ``all_reduce`` per optimizer step; the
-:class:`~cbs_tracker.BatchSizeController` (identical on every rank) doubles the
-accumulation steps when the measured noise scale allows. ``--bf16`` shards with
-``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. Rank 0
-prints what was measured.
+    torchrun --standalone --nproc_per_node=2 examples/torchrun_fsdp.py --backend gloo   # nccl on GPUs
 """
 
 from __future__ import annotations
