@@ -1,4 +1,4 @@
-"""Tests of the noisy quadratic model (cbs_tracker.theory.nqm): closed forms against slow loops, the seed's table."""
+"""Tests of the noisy quadratic model (cbs_tracker.theory.nqm): closed forms against slow loops, the reference table."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_step_matches_the_closed_form_and_the_noise_scale_is_exact() -> None:
 
 
 def test_noise_scale_follows_the_batch_at_the_floor(model: ExactNQM) -> None:
-    # DESIGN §4 feedback trap: at the floor v = eta^2 sigma^2 / (B (1 - a)), so B_simple / B is a constant
+    # the feedback trap (docs/design.md): at the floor v = eta^2 sigma^2 / (B (1 - a)), so B_simple / B is a constant
     h, s2, eta = model.curvatures, model.noise_variance, model.lr
     ratio = np.sum(s2) / (eta**2 * np.sum(h**2 * s2 / (1 - (1 - eta * h) ** 2)))
     assert ratio == pytest.approx(10.06, abs=0.01)
@@ -123,13 +123,13 @@ def test_measured_exponents_match_the_seed(model: ExactNQM) -> None:
     assert model.measure_exponents(s_window=(2, 20)).s == pytest.approx(0.3, abs=0.05)
 
 
-# ----------------------------------------------------------------------------- the seed's table
+# ----------------------------------------------------------------------------- the reference table
 
 
 def test_seed_table_is_reproduced(seed_table: N.Comparison) -> None:
     comp = seed_table
     assert comp.ratio_vs_constant("constant") == 1.0
-    # seed 001 §4: two-stage 3.8x, doubling 9.9x, optimum 10.2x lower than the best constant batch
+    # reference results of the default NQM: two-stage 3.8x, doubling 9.9x, optimum 10.2x lower than the best constant batch
     assert comp.ratio_vs_constant("two_stage") == pytest.approx(3.8, rel=0.05)
     assert comp.ratio_vs_constant("doubling") == pytest.approx(9.9, rel=0.05)
     assert comp.ratio_vs_constant("optimal") == pytest.approx(10.2, rel=0.05)

@@ -79,7 +79,7 @@ def test_chi_square_sampler_errors(args, match):
 
 # ------------------------------------------------------------------------ the runs
 def test_default_controller_on_the_exact_nqm_stops_at_the_trap_and_beats_its_start():
-    # the noise scale is ~10 B at every batch (DESIGN §4): one doubling reveals it, and the
+    # the noise scale is ~10 B at every batch (the feedback trap, docs/design.md): one doubling reveals it, and the
     # run ends at 16, never below the constant batch it started from (B = 8)
     budget = 1e5
     res = run_controller(budget=budget)
@@ -120,9 +120,8 @@ def test_budget_aware_run_is_the_plan_after_the_trap():
 
 
 def test_the_budget_aware_target_at_the_seeds_budget():
-    # issue 6 at D = 3e6: budget-aware >= 9x lower than the best constant batch (measured:
-    # 9.19x with the exact noise scale and with the estimator; the estimated run is left to
-    # `cbs-tracker nqm`, it takes as long again)
+    # the target at D = 3e6: budget-aware >= 9x lower than the best constant batch (the
+    # estimated run is left to `cbs-tracker nqm`, it takes as long again)
     budget = 3e6
     model = ExactNQM()
     best_constant = model.final_loss(model.best_constant(budget, 8.0, 8192.0))

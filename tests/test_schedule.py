@@ -130,7 +130,7 @@ def test_regime_boundary() -> None:
     assert S.regime(0.5, 2.0) == "hard"  # s = 1 - 1/beta is hard (<=)
     assert S.regime(0.51, 2.0) == "easy"
     assert S.is_hard_regime(0.2, 1.5)
-    # the seed's own numbers sit on the boundary: 1 - 1/1.96 = 0.4898 < 0.49
+    # the default NQM's exponents sit on the boundary: 1 - 1/1.96 = 0.4898 < 0.49
     assert S.regime(SEED_S, SEED_BETA) == "easy"
 
 
@@ -180,7 +180,7 @@ def test_doubling_plan_switches_where_the_optimum_crosses_the_thresholds() -> No
             th = plan.batches[j] if rule == "reach" else plan.batches[j] / math.sqrt(2.0)
             assert b[t - 1] >= th * (1 - 1e-12) and b[t - 2] < th
             assert z == pytest.approx(math.fsum(b[: t - 1]), rel=1e-10)
-            # the seed's closed form t_j = T + 1 - (theta_j / c)^(1/p)
+            # the closed form t_j = T + 1 - (theta_j / c)^(1/p)
             assert t == math.ceil(sched.steps + 1 - (th / sched.scale) ** (1 / sched.exponent) - 1e-9)
         steps = plan.batches_per_step()
         assert steps.size == plan.steps
