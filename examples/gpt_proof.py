@@ -570,8 +570,8 @@ def summarise(results: dict[str, dict[str, Any]], setting: Setting, out: Path) -
             if r["schedule"] == "constant" and r["batch_tokens"] == best:
                 targets[(r["seed"], r["lr_schedule"])] = (r["final_val_loss"], r["steps"])
     for r in results.values():
-        # the last evaluation alone moves by ~0.01-0.02 between neighbouring evaluations at
-        # constant LR; the mean of the last three (the last ~7% of the budget) is steadier
+        # at constant LR the last evaluation alone moves between neighbouring evaluations by
+        # about NEAR_BEST; the mean of the last three is steadier
         r["final_val_loss_mean3"] = round(sum(r["evals"]["val_loss"][-3:]) / len(r["evals"]["val_loss"][-3:]), 5)
         target = targets.get((r["seed"], r["lr_schedule"]))
         reach = None if target is None else steps_to_reach(r["evals"], target[0])
@@ -604,7 +604,7 @@ def summarise(results: dict[str, dict[str, Any]], setting: Setting, out: Path) -
                 "best_constant": ranked[0],
                 "runner_up": ranked[1] if len(ranked) > 1 else None,
                 "loss_gap_to_runner_up": round(losses[ranked[1]] - losses[ranked[0]], 4) if len(ranked) > 1 else None,
-                # neighbouring evaluations of one run differ by ~0.01-0.02: batches this close are tied
+                # neighbouring evaluations of one run differ by about this much: batches this close are tied
                 "near_best_constants": sorted(b for b in ranked if losses[b] <= losses[ranked[0]] + NEAR_BEST),
                 "constant_losses": {str(b): round(v, 4) for b, v in losses.items()},
                 "noise_scale_in_constant_runs": {str(b): _round(v, 3) for b, v in ns_const.items()},

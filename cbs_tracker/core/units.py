@@ -1,4 +1,8 @@
-"""Counting the units of a microbatch: samples (the batch's leading dimension) or loss-contributing tokens."""
+"""Counting the units of a microbatch: samples (the batch's leading dimension) or loss-contributing tokens.
+
+``leading_dim(batch)`` counts samples; ``label_tokens(key, ignore_index=-100)`` returns a
+``batch_size_fn`` that counts ``labels != ignore_index`` on the device (no host sync).
+"""
 
 from __future__ import annotations
 
