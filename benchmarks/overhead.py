@@ -17,8 +17,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbs_tracker import BatchSizeController, CBSTracker
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
@@ -35,18 +37,26 @@ def _setup(args):
     return model, optimizer, stream
 
 
-def _step(model, optimizer, stream, args, tracker=None):
-    """One optimizer step of ``args.accumulation`` microbatches; returns seconds."""
+def _step(model, optimizer, stream, args, tracker=None, phase=None):
+    """One optimizer step of ``args.accumulation`` microbatches; returns seconds.
+
+    ``phase(name)`` (op counting) is called before the microbatches (``"micro"``)
+    and before the optimizer-step part (``"step"``).
+    """
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(args.accumulation):
-        x, y = stream.next_batch(args.micro_sequences)
-        x, y = x.to(args.device), y.to(args.device)
+    batches = [stream.next_batch(args.micro_sequences) for _ in range(args.accumulation)]
+    batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
+    if phase is not None:
+        phase("micro")
+    for x, y in batches:
         ctx = tracker.microbatch(labels=y) if tracker is not None else _null()
         with ctx:
             _, loss = model(x, y)
             (loss / args.accumulation).backward()
+    if phase is not None:
+        phase("step")
     if tracker is not None:
         tracker.step()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -72,6 +82,53 @@ def _make_tracker(model, optimizer, args):
         accumulation_steps=args.accumulation,
         controller=BatchSizeController(observe_only=True),
     )
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten operators by phase (``"setup"``, ``"micro"``, ``"step"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.counts: dict[str, Counter] = {"setup": Counter(), "micro": Counter(), "step": Counter()}
+
+    def set_phase(self, name: str) -> None:
+        self.phase = name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[self.phase][str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(model, optimizer, stream, args, tracker) -> dict:
+    """Operators the tracker adds per microbatch and per optimizer step (one counted step each).
+
+    Both variants run one untimed step first (optimizer state exists, the tracker's
+    path is warm), then one step under the counter.
+    """
+    counted = {}
+    for variant in ("plain", "tracker"):
+        use = tracker if variant == "tracker" else None
+        if use is not None:
+            tracker._register_hooks()
+        _step(model, optimizer, stream, args, use)
+        counter = _OpCounter()
+        with counter:
+            _step(model, optimizer, stream, args, use, phase=counter.set_phase)
+        if use is not None:
+            tracker.remove_hooks()
+        counted[variant] = counter.counts
+    added = {}
+    for ph in ("micro", "step"):
+        diff = counted["tracker"][ph].copy()
+        diff.subtract(counted["plain"][ph])
+        total = sum(diff.values())
+        added[ph] = {"total": total, "by_op": {k: v for k, v in diff.most_common() if v}}
+    per_micro = added["micro"]["total"] / args.accumulation
+    return {"ops_added_per_microbatch": per_micro, "ops_added_per_step": added["step"]["total"],
+            "ops_added_per_step_total": added["micro"]["total"] + added["step"]["total"],
+            "micro_ops": dict(added["micro"]["by_op"]), "step_ops": dict(added["step"]["by_op"]),
+            "plain_ops_per_step": sum(counted["plain"]["micro"].values()) + sum(counted["plain"]["step"].values())}
 
 
 def _memory_child(args) -> int:
@@ -103,6 +160,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print a JSON object as the last line")
+    p.add_argument("--count-ops-only", action="store_true", help="only count the operators the tracker adds")
     p.add_argument("--child", choices=["plain", "tracker"], help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,6 +176,17 @@ def main() -> int:
     tracked_times: list[float] = []
     tracker = _make_tracker(model, optimizer, args)
     tracker.remove_hooks()
+    ops = count_ops(model, optimizer, stream, args, tracker)
+    print(f"operators added: {ops['ops_added_per_microbatch']:g} per microbatch, {ops['ops_added_per_step']} in the "
+          f"optimizer-step part; {ops['ops_added_per_step_total']} per optimizer step in all "
+          f"(the untracked step runs {ops['plain_ops_per_step']}); "
+          f"{len([p for p in model.parameters() if p.requires_grad])} parameter tensors")
+    print(f"  per microbatch ({args.accumulation} microbatches): {ops['micro_ops']}")
+    print(f"  optimizer-step part: {ops['step_ops']}")
+    if args.count_ops_only:
+        if args.json:
+            print(json.dumps({k: v for k, v in ops.items() if k.startswith("ops_") or k == "plain_ops_per_step"}))
+        return 0
     for _ in range(args.warmup):
         _step(model, optimizer, stream, args)
     for r in range(args.rounds + 1):
@@ -150,7 +219,9 @@ def main() -> int:
           f"ratio {mem_ratio:.4f}; difference {extra / 2**20:+.1f} MiB vs one gradient copy {grad_bytes / 2**20:.1f} MiB")
     if args.json:
         print(json.dumps({"step_time_ratio": round(ratio, 4), "peak_memory_ratio": round(mem_ratio, 4),
-                          "extra_memory_mib": round(extra / 2**20, 1), "gradient_copy_mib": round(grad_bytes / 2**20, 1)}))
+                          "extra_memory_mib": round(extra / 2**20, 3), "gradient_copy_mib": round(grad_bytes / 2**20, 3),
+                          "ops_added_per_microbatch": ops["ops_added_per_microbatch"],
+                          "ops_added_per_step": ops["ops_added_per_step_total"]}))
     return 0
 
 
