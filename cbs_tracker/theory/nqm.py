@@ -1,12 +1,11 @@
 """The noisy quadratic model (NQM): exact in expectation, Monte-Carlo, and an online driver.
 
 After Zhang et al. 2019, "Which algorithmic choices matter at which batch sizes?";
-``docs/design.md`` (Theory) gives the model, its default setting and why it is the
-test bed of the controller. :class:`ExactNQM` evaluates any batch schedule in closed
-form (and steps for online policies), :class:`MonteCarloNQM` draws real microbatch
-gradients, :func:`run_online` drives either with a policy, and
-:func:`compare_schedules` reports the schedules at equal budget (other modules add
-rows with :func:`register_row`; ``cbs_tracker.theory.nqm_online`` is imported for it).
+``docs/design.md`` (Theory) gives the model and its default setting. :class:`ExactNQM`
+evaluates any batch schedule in closed form (and steps for online policies),
+:class:`MonteCarloNQM` draws real microbatch gradients, :func:`run_online` drives either
+with a policy, and :func:`compare_schedules` reports the schedules at equal budget
+(plus the rows other modules add with :func:`register_row`, e.g. ``nqm_online``).
 """
 
 from __future__ import annotations
