@@ -1,33 +1,30 @@
 """The gradient noise scale from small- and big-batch squared gradient norms (pure math).
 
-McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A:
-a batch of ``B`` examples with per-example gradient mean ``G`` and covariance
-``Sigma`` gives ``E|G_B|^2 = |G|^2 + tr(Sigma)/B``. Two batch sizes
-``B_small < B_big`` give unbiased estimates::
-
-    |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
-    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)
-    B_simple  = tr(Sigma) / |G|^2
-
-Each optimizer step gives ``K = A * D`` small batches (microbatches) and one
-big batch (their mean). With microbatch sizes ``b_k`` and the usual "mean loss
-per microbatch, divided by A" weighting, ``E|g_k|^2 = |G|^2 + tr(Sigma)/b_k`` and
-``E|mean_k g_k|^2 = |G|^2 + tr(Sigma) / (K * b_h)`` with ``b_h`` the harmonic mean
-of the ``b_k``; so ``B_small = b_h`` and ``B_big = K * b_h`` (see
-:func:`estimate_from_norms`).
-
-The two estimates are smoothed **separately** by moving averages whose decay is
-defined per unit (token or sample), not per step, and only then divided
-(never average ratios). Nothing here imports ``torch``.
+McCandlish et al. 2018, App. A: ``E|G_B|^2 = |G|^2 + tr(Sigma)/B``, so one step's
+``K`` microbatch norms and their mean's norm give unbiased estimates of ``|G|^2``
+and ``tr(Sigma)`` (:func:`estimate_from_norms`). :class:`NoiseScaleEstimator`
+averages the two separately with a decay per unit, divides, reports a 90%
+confidence interval of the ratio, and by default sets its memory from the
+measured noise so that the ratio reaches a target relative error.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
 
-ESTIMATOR_STATE_VERSION = 1
+ESTIMATOR_STATE_VERSION = 2
+INTERVAL_CONFIDENCE = 0.90
+_Z = 1.6448536269514722  # standard normal quantile at (1 + INTERVAL_CONFIDENCE) / 2
+# Weight the steps without second moments (a state of version 1) may still hold before an
+# interval is reported again.
+_MAX_UNCOVERED_WEIGHT = 0.05
+
+Memory = Literal["adaptive", "fixed"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,14 @@ def estimate_from_norms(
 ) -> StepEstimate:
     """Unbiased ``|G|^2`` and ``tr(Sigma)`` from one small and one big batch norm.
 
-    McCandlish et al. 2018, App. A, eqs. A.1–A.2.
+    McCandlish et al. 2018, App. A, eqs. A.1–A.2::
+
+        |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+        tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)
+
+    With microbatch sizes ``b_k`` and the usual "mean loss per microbatch, divided
+    by A" weighting, ``E|g_k|^2 = |G|^2 + tr(Sigma)/b_k``, so ``B_small`` is the
+    harmonic mean of the ``b_k`` and ``B_big = K * B_small``.
 
     Args:
         small_sq_norm: ``|G_small|^2``; with ``K`` microbatches, the mean of their
@@ -91,6 +95,9 @@ class NoiseScaleEstimate:
         step: the step's own estimates (``None`` when the step was dropped).
         accepted: whether this update changed the state.
         steps: number of accepted steps so far.
+        noise_scale_low: lower end of the 90% confidence interval of ``noise_scale``
+            (``None`` when ``noise_scale`` is ``None``).
+        noise_scale_high: upper end (``inf`` while ``|G|^2`` is not distinguishable from 0).
     """
 
     grad_sq_norm: float | None
@@ -99,69 +106,178 @@ class NoiseScaleEstimate:
     step: StepEstimate | None
     accepted: bool
     steps: int
+    noise_scale_low: float | None = None
+    noise_scale_high: float | None = None
+
+
+@runtime_checkable
+class NoiseScaleEstimatorProtocol(Protocol):
+    """What the tracking engine needs from a noise-scale estimator.
+
+    :class:`NoiseScaleEstimator` implements it; a second estimator (another
+    smoothing, another statistic) can be passed to the adapters if it has these
+    members. Sizes and the reported noise scale are in one unit (tokens or samples).
+    """
+
+    def update(
+        self,
+        small_sq_norm: float,
+        big_sq_norm: float,
+        small_batch: float,
+        big_batch: float,
+        units: float | None = None,
+    ) -> NoiseScaleEstimate:
+        """Add one optimizer step (see :meth:`NoiseScaleEstimator.update`)."""
+        ...
+
+    @property
+    def noise_scale(self) -> float | None:
+        """``B_simple``, or ``None`` while not supported by the data."""
+        ...
+
+    @property
+    def noise_scale_interval(self) -> tuple[float, float] | None:
+        """90% confidence interval of ``noise_scale`` (``None`` exactly when it is ``None``)."""
+        ...
+
+    @property
+    def grad_sq_norm(self) -> float | None:
+        """Smoothed ``|G|^2`` estimate."""
+        ...
+
+    @property
+    def trace_cov(self) -> float | None:
+        """Smoothed ``tr(Sigma)`` estimate."""
+        ...
+
+    def state_dict(self) -> dict[str, object]:
+        """Plain values that restore the estimator."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore :meth:`state_dict` output; on error leave the estimator untouched."""
+        ...
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class NoiseScaleEstimator:
-    """Moving averages of the ``|G|^2`` and ``tr(Sigma)`` estimates, decayed per unit.
+    """Moving averages of the ``|G|^2`` and ``tr(Sigma)`` estimates, a ratio and its interval.
 
-    After a step of ``n`` units (tokens or samples) each average moves by
-    ``alpha = 1 - exp(-n / horizon)``: the average forgets at the same rate per
-    token whatever the batch, so a doubling does not change how much history it
-    holds. Startup bias is removed by dividing by ``1 - prod(1 - alpha)`` (as in
-    Adam). The result is in the unit of the sizes passed to :meth:`update`.
+    **Averages.** After a step of ``n`` units each average moves by
+    ``alpha = 1 - exp(-n / H)`` (``H``, the horizon, in units): the memory is the
+    same per token whatever the batch. Startup bias is removed by dividing by
+    ``1 - prod(1 - alpha)`` (as in Adam); the result is ``B = T / G`` with ``T``, ``G``
+    the averaged ``tr(Sigma)`` and ``|G|^2`` estimates, in the unit of the sizes.
 
-    Per-step estimates can be far off on rare steps (Adam-preconditioned
-    gradients showed 100–1000x spikes on a small GPT). With ``outlier_clip`` set,
-    once ``outlier_window`` steps are in, each new per-step estimate is clipped to
-    ``median +- outlier_clip * IQR`` of the last ``outlier_window`` estimates
-    before it enters the average; ordinary noise is far inside that band, so the
-    average stays unbiased for it.
+    **Interval.** The per-step weights ``w_t`` of the averages are known, so the
+    variances of ``T``, ``G`` and their covariance are estimated from the spread
+    of the per-step estimates (``sum w_t^2 (x_t - mean)^2``, which allows each
+    step its own variance). The 90% interval is Fieller's interval for a ratio of
+    two normal means: the ``B`` with ``|T - B G| <= t * sd(T - B G)``, with ``t`` a
+    Student quantile on the effective number of steps ``1 / sum w_t^2``. It is
+    skewed like the ratio, and unbounded above (``inf``) when ``G`` is not
+    distinguishable from 0.
+
+    **Memory** (``horizon`` and ``horizon_steps`` unset: ``memory == "adaptive"``).
+    The squared error of the ratio is about ``rho / (2 H T^2)`` with ``rho`` the
+    per-unit variance of ``t_s - B g_s``, estimated as above. Before each step
+    the horizon is set to what reaches ``target_rel_error``,
+    ``H = rho / (2 target_rel_error^2 T^2)``, bounded below by
+    ``min_horizon_steps`` steps of the current size and above by
+    ``max_horizon_fraction`` (``f``) times the units seen. At the upper bound a
+    step's weight grows as ``u^(1/f - 1)`` with the units ``u`` seen when it ran
+    (``f = 1``: a plain mean of the run; ``0.75``: weights ``~ u^(1/3)``), so old
+    data keeps losing weight and the average follows a noise scale that rises
+    with training; the bound is what limits precision when per-step estimates are
+    very noisy (microbatches far below the noise scale). Until ``min_steps``
+    steps are in, the upper bound is used.
+
+    **Outliers.** With ``outlier_clip`` set, once ``outlier_window`` steps are in,
+    each new per-step estimate is clipped to ``median +- outlier_clip * IQR`` of the
+    last ``outlier_window`` estimates before it enters the averages (Adam-
+    preconditioned gradients can show rare 100-1000x spikes); ordinary noise is far
+    inside that band.
 
     Args:
-        horizon: memory of the averages in units; ``None`` (default) sets it to
-            ``horizon_steps`` times the first step's global batch.
-        horizon_steps: default horizon in starting-batch steps (default 100).
+        horizon: a fixed memory in units; sets ``memory = "fixed"``.
+        horizon_steps: a fixed memory of this many first-step batches (the first
+            accepted step's units); sets ``memory = "fixed"``. ``horizon`` wins if both are set.
+        target_rel_error: adaptive memory: relative standard error of the
+            noise scale the horizon aims for (default 0.05).
+        min_horizon_steps: adaptive memory: lower bound of the horizon in steps of the
+            current size (default 10).
+        max_horizon_fraction: adaptive memory: upper bound of the horizon as a share
+            of the units seen so far (default 0.75).
         min_steps: accepted steps before ``noise_scale`` is reported (default 10).
         outlier_clip: half-width of the clipping band in inter-quartile ranges
             (default 5.0); ``None`` disables clipping.
         outlier_window: per-step estimates kept for the band (default 32).
 
     Raises:
-        ValueError: for a non-positive horizon, ``horizon_steps``, ``outlier_clip``,
-            or ``min_steps < 1``, ``outlier_window < 4``.
+        TypeError: an argument of the wrong type (``bool`` is not a number here).
+        ValueError: a value out of range (each message names the argument).
     """
 
     def __init__(
         self,
         *,
         horizon: float | None = None,
-        horizon_steps: float = 100.0,
+        horizon_steps: float | None = None,
+        target_rel_error: float = 0.05,
+        min_horizon_steps: float = 10.0,
+        max_horizon_fraction: float = 0.75,
         min_steps: int = 10,
         outlier_clip: float | None = 5.0,
         outlier_window: int = 32,
     ) -> None:
-        if horizon is not None and not (isinstance(horizon, (int, float)) and horizon > 0):
-            raise ValueError(f"NoiseScaleEstimator(horizon={horizon!r}): must be a positive number of units or None")
-        if not (isinstance(horizon_steps, (int, float)) and horizon_steps > 0):
-            raise ValueError(f"NoiseScaleEstimator(horizon_steps={horizon_steps!r}): must be a positive number")
-        if not (isinstance(min_steps, int) and min_steps >= 1):
-            raise ValueError(f"NoiseScaleEstimator(min_steps={min_steps!r}): must be an integer >= 1")
-        if outlier_clip is not None and not (isinstance(outlier_clip, (int, float)) and outlier_clip > 0):
-            raise ValueError(f"NoiseScaleEstimator(outlier_clip={outlier_clip!r}): must be a positive number or None")
-        if not (isinstance(outlier_window, int) and outlier_window >= 4):
-            raise ValueError(f"NoiseScaleEstimator(outlier_window={outlier_window!r}): must be an integer >= 4")
-        self.horizon = None if horizon is None else float(horizon)
-        self.horizon_steps = float(horizon_steps)
+        def positive(name: str, value: object, allow_none: bool, what: str) -> None:
+            if value is None and allow_none:
+                return
+            if not _is_real(value):
+                raise TypeError(f"NoiseScaleEstimator({name}={value!r}): must be {what}")
+            if not (math.isfinite(value) and value > 0):  # type: ignore[arg-type]
+                raise ValueError(f"NoiseScaleEstimator({name}={value!r}): must be {what}")
+
+        positive("horizon", horizon, True, "a positive number of units or None")
+        positive("horizon_steps", horizon_steps, True, "a positive number or None")
+        positive("target_rel_error", target_rel_error, False, "a positive number")
+        positive("min_horizon_steps", min_horizon_steps, False, "a positive number")
+        positive("max_horizon_fraction", max_horizon_fraction, False, "a positive number")
+        positive("outlier_clip", outlier_clip, True, "a positive number or None")
+        for name, value, low in (("min_steps", min_steps, 1), ("outlier_window", outlier_window, 4)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"NoiseScaleEstimator({name}={value!r}): must be an integer >= {low}")
+            if value < low:
+                raise ValueError(f"NoiseScaleEstimator({name}={value!r}): must be an integer >= {low}")
+        self.memory: Memory = "fixed" if horizon is not None or horizon_steps is not None else "adaptive"
+        self._configured_horizon = None if horizon is None else float(horizon)
+        self.horizon_steps = None if horizon_steps is None else float(horizon_steps)
+        self.target_rel_error = float(target_rel_error)
+        self.min_horizon_steps = float(min_horizon_steps)
+        self.max_horizon_fraction = float(max_horizon_fraction)
         self.min_steps = min_steps
         self.outlier_clip = None if outlier_clip is None else float(outlier_clip)
         self.outlier_window = outlier_window
         self._reset_state()
 
     def _reset_state(self) -> None:
+        self._horizon: float | None = self._configured_horizon
+        self._first_units: float | None = None
+        self._units_seen = 0.0
+        self._steps = 0
+        self._keep = 1.0  # prod(1 - alpha): the weight the zero initialisation still holds
+        self._moments_keep = 1.0  # the same product over the steps the second moments cover
         self._ema_grad_sq = 0.0
         self._ema_trace = 0.0
-        self._keep = 1.0  # prod(1 - alpha): the weight the zero initialisation still holds
-        self._steps = 0
+        # With a_s the unnormalised weight of step s (sum a_s = 1 - keep): sum a_s^2,
+        # sum a_s^2 / n_s, sum a_s^2 x_s y_s and sum a_s^2 x_s for x, y in {g, t}.
+        self._w2 = 0.0
+        self._w2_per_unit = 0.0
+        self._q_gg = self._q_tt = self._q_gt = 0.0
+        self._l_g = self._l_t = 0.0
         self._recent_grad_sq: deque[float] = deque(maxlen=self.outlier_window)
         self._recent_trace: deque[float] = deque(maxlen=self.outlier_window)
         self._last_step: StepEstimate | None = None
@@ -171,6 +287,16 @@ class NoiseScaleEstimator:
     def steps(self) -> int:
         """Accepted steps so far."""
         return self._steps
+
+    @property
+    def horizon(self) -> float | None:
+        """The memory in units used for the last step (the fixed one when configured)."""
+        return self._horizon
+
+    @property
+    def units_seen(self) -> float:
+        """Units of the accepted steps so far."""
+        return self._units_seen
 
     @property
     def grad_sq_norm(self) -> float | None:
@@ -198,7 +324,44 @@ class NoiseScaleEstimator:
             return None
         return max(t, 0.0) / g
 
+    @property
+    def effective_steps(self) -> float:
+        """``1 / sum w_s^2`` of the normalised weights: steps an equal-weight mean would hold."""
+        if self._steps == 0 or self._w2 <= 0:
+            return 0.0
+        return (1.0 - self._keep) ** 2 / self._w2
+
+    @property
+    def noise_scale_interval(self) -> tuple[float, float] | None:
+        """90% confidence interval of :attr:`noise_scale`, in its unit.
+
+        Fieller's interval for ``T / G`` from the estimated variances of the two
+        averages (see the class docstring). ``None`` exactly when ``noise_scale``
+        is ``None``; ``(low, inf)`` while ``G`` is not distinguishable from 0, and
+        ``(0.0, inf)`` while too little is known (one effective step, or a state
+        restored from a version without second moments that still weighs).
+        """
+        ratio = self.noise_scale
+        if ratio is None:
+            return None
+        norm = 1.0 - self._keep
+        uncovered = (self._moments_keep - self._keep) / norm
+        n_eff = self.effective_steps
+        if uncovered > _MAX_UNCOVERED_WEIGHT or not n_eff > 1.0:
+            return (0.0, math.inf)
+        g, t = self._ema_grad_sq / norm, self._ema_trace / norm
+        # Variances of the means: sum w_s^2 (x_s - mean_x)(y_s - mean_y), with n/(n-1)
+        # against the shrinkage of residuals taken around fitted means.
+        scale = n_eff / (n_eff - 1.0) / norm**2
+        v_gg = max(self._q_gg - 2 * g * self._l_g + g * g * self._w2, 0.0) * scale
+        v_tt = max(self._q_tt - 2 * t * self._l_t + t * t * self._w2, 0.0) * scale
+        v_gt = (self._q_gt - g * self._l_t - t * self._l_g + g * t * self._w2) * scale
+        return fieller_interval(t, g, v_tt, v_gg, v_gt, _student_quantile(n_eff - 1.0))
+
     def result(self, accepted: bool) -> NoiseScaleEstimate:
+        """The state as a :class:`NoiseScaleEstimate` (``accepted`` as given)."""
+        interval = self.noise_scale_interval
+        low, high = interval if interval is not None else (None, None)
         return NoiseScaleEstimate(
             grad_sq_norm=self.grad_sq_norm,
             trace_cov=self.trace_cov,
@@ -206,6 +369,8 @@ class NoiseScaleEstimator:
             step=self._last_step if accepted else None,
             accepted=accepted,
             steps=self._steps,
+            noise_scale_low=low,
+            noise_scale_high=high,
         )
 
     # ------------------------------------------------------------------ update
@@ -233,77 +398,261 @@ class NoiseScaleEstimator:
             ``big_batch <= small_batch`` (a single microbatch), is dropped
             without touching the state (``accepted=False``).
         """
-        values = (small_sq_norm, big_sq_norm, small_batch, big_batch)
         n = big_batch if units is None else units
-        if not all(math.isfinite(v) for v in (*values, n)):
+        if not all(math.isfinite(v) for v in (small_sq_norm, big_sq_norm, small_batch, big_batch, n)):
             return self.result(accepted=False)
         if not (small_batch > 0 and big_batch > small_batch and n > 0):
             return self.result(accepted=False)
         raw = estimate_from_norms(small_sq_norm, big_sq_norm, small_batch, big_batch)
         if not (math.isfinite(raw.grad_sq_norm) and math.isfinite(raw.trace_cov)):
             return self.result(accepted=False)
-        if self.horizon is None:
-            self.horizon = self.horizon_steps * n
-        grad_sq = self._clip(raw.grad_sq_norm, self._recent_grad_sq)
-        trace = self._clip(raw.trace_cov, self._recent_trace)
+        g = self._clip(raw.grad_sq_norm, self._recent_grad_sq)
+        t = self._clip(raw.trace_cov, self._recent_trace)
         self._recent_grad_sq.append(raw.grad_sq_norm)
         self._recent_trace.append(raw.trace_cov)
-        keep = math.exp(-n / self.horizon)
-        self._ema_grad_sq = keep * self._ema_grad_sq + (1.0 - keep) * grad_sq
-        self._ema_trace = keep * self._ema_trace + (1.0 - keep) * trace
+        if self._first_units is None:
+            self._first_units = float(n)
+        self._units_seen += n
+        self._horizon = horizon = self._next_horizon(n)
+        keep = math.exp(-n / horizon)
+        a = 1.0 - keep
+        self._ema_grad_sq = keep * self._ema_grad_sq + a * g
+        self._ema_trace = keep * self._ema_trace + a * t
         self._keep *= keep
+        self._moments_keep *= keep
+        k2, a2 = keep * keep, a * a
+        self._w2 = k2 * self._w2 + a2
+        self._w2_per_unit = k2 * self._w2_per_unit + a2 / n
+        self._q_gg = k2 * self._q_gg + a2 * g * g
+        self._q_tt = k2 * self._q_tt + a2 * t * t
+        self._q_gt = k2 * self._q_gt + a2 * g * t
+        self._l_g = k2 * self._l_g + a2 * g
+        self._l_t = k2 * self._l_t + a2 * t
         self._steps += 1
         self._last_step = raw
         return self.result(accepted=True)
+
+    def _next_horizon(self, n: float) -> float:
+        """The horizon for a step of ``n`` units, from the state before the step."""
+        if self._configured_horizon is not None:
+            return self._configured_horizon
+        if self.horizon_steps is not None:
+            return self.horizon_steps * self._first_units  # type: ignore[operator]
+        low = self.min_horizon_steps * n
+        high = max(low, self.max_horizon_fraction * self._units_seen)
+        wanted = self._target_horizon()
+        return high if wanted is None else min(max(wanted, low), high)
+
+    def _target_horizon(self) -> float | None:
+        """``rho / (2 target^2 T^2)``, or ``None`` while it cannot be estimated."""
+        if self._steps < self.min_steps or self._w2_per_unit <= 0:
+            return None
+        if (self._moments_keep - self._keep) / (1.0 - self._keep) > _MAX_UNCOVERED_WEIGHT:
+            return None
+        norm = 1.0 - self._keep
+        g, t = self._ema_grad_sq / norm, self._ema_trace / norm
+        if not (g > 0 and t > 0):
+            return None
+        b = t / g
+        # sum a_s^2 (t_s - b g_s)^2 / sum a_s^2 / n_s: the per-unit variance of t - b g
+        rho = (self._q_tt - 2 * b * self._q_gt + b * b * self._q_gg) / self._w2_per_unit
+        return max(rho, 0.0) / (2.0 * self.target_rel_error**2 * t * t)
 
     def _clip(self, value: float, recent: deque[float]) -> float:
         if self.outlier_clip is None or len(recent) < self.outlier_window:
             return value
         ordered = sorted(recent)
-        median = _quantile(ordered, 0.5)
-        spread = _quantile(ordered, 0.75) - _quantile(ordered, 0.25)
-        width = self.outlier_clip * spread
+        q25, median, q75 = (_quantile(ordered, q) for q in (0.25, 0.5, 0.75))
+        width = self.outlier_clip * (q75 - q25)
         return min(max(value, median - width), median + width)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, object]:
-        """Plain numbers (and two short lists) that rebuild the averages exactly."""
+        """Plain numbers (and two short lists) that rebuild the averages and the interval exactly."""
         return {
             "version": ESTIMATOR_STATE_VERSION,
-            "horizon": self.horizon,
+            "memory": self.memory,
+            "horizon": self._horizon,
+            "first_units": self._first_units,
+            "units_seen": self._units_seen,
+            "steps": self._steps,
+            "keep": self._keep,
+            "moments_keep": self._moments_keep,
             "ema_grad_sq": self._ema_grad_sq,
             "ema_trace": self._ema_trace,
-            "keep": self._keep,
-            "steps": self._steps,
+            "w2": self._w2,
+            "w2_per_unit": self._w2_per_unit,
+            "q_gg": self._q_gg,
+            "q_tt": self._q_tt,
+            "q_gt": self._q_gt,
+            "l_g": self._l_g,
+            "l_t": self._l_t,
             "recent_grad_sq": list(self._recent_grad_sq),
             "recent_trace": list(self._recent_trace),
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict` output; strict on required keys, tolerant of extra ones.
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore :meth:`state_dict` output, checking every value before anything is assigned.
+
+        Strict on required keys, tolerant of unknown extra ones; a state of
+        version 1 (before the interval) loads its averages, and the interval is
+        reported again once the steps after the resume carry 95% of the weight.
+        The configuration wins over the checkpoint: the constructor's memory
+        settings are kept, and a checkpoint saved with another fixed horizon or
+        memory mode is loaded with a warning saying so. A ``horizon_steps``
+        memory is rebuilt from the checkpoint's first-step units.
 
         Raises:
-            KeyError: if a required key is missing.
-            ValueError: if the version is newer than this code understands.
+            TypeError: ``state`` is not a mapping, or a value has the wrong type.
+            KeyError: a required key is missing.
+            ValueError: a value is out of range, or the version is unknown.
         """
+        where = "NoiseScaleEstimator.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}(state={type(state).__name__}): expected a mapping from state_dict()")
         required = ("version", "horizon", "ema_grad_sq", "ema_trace", "keep", "steps")
         missing = [k for k in required if k not in state]
-        if missing:
-            raise KeyError(f"NoiseScaleEstimator.load_state_dict: missing keys {missing}")
-        if int(state["version"]) > ESTIMATOR_STATE_VERSION:  # type: ignore[arg-type]
+        version = state.get("version")
+        if not missing and (not isinstance(version, int) or isinstance(version, bool)):
+            raise TypeError(f"{where}: version={version!r} must be an integer")
+        if not missing and not 1 <= version <= ESTIMATOR_STATE_VERSION:  # type: ignore[operator]
+            newer = version > ESTIMATOR_STATE_VERSION  # type: ignore[operator]
             raise ValueError(
-                f"NoiseScaleEstimator.load_state_dict: state version {state['version']} is newer than "
-                f"the supported version {ESTIMATOR_STATE_VERSION}; upgrade cbs-tracker"
+                f"{where}: state version {version} is "
+                + (f"newer than the supported version {ESTIMATOR_STATE_VERSION}; upgrade cbs-tracker"
+                   if newer else f"unknown; expected 1..{ESTIMATOR_STATE_VERSION}")
             )
+        if version == ESTIMATOR_STATE_VERSION:
+            required += ("units_seen", "moments_keep", "w2", "w2_per_unit", "q_gg", "q_tt", "q_gt", "l_g", "l_t")
+            missing = [k for k in required if k not in state]
+        if missing:
+            raise KeyError(f"{where}: missing keys {missing}")
+
+        def real(key: str, low: float = -math.inf, high: float = math.inf, default: float = 0.0) -> float:
+            value = state.get(key, default)
+            if not _is_real(value):
+                raise TypeError(f"{where}: {key}={value!r} must be a real number")
+            if not (math.isfinite(value) and low <= value <= high):  # type: ignore[arg-type,operator]
+                raise ValueError(f"{where}: {key}={value!r} must be finite and in [{low}, {high}]")
+            return float(value)  # type: ignore[arg-type]
+
+        def optional_positive(key: str) -> float | None:
+            value = state.get(key)
+            if value is None:
+                return None
+            if not _is_real(value):
+                raise TypeError(f"{where}: {key}={value!r} must be a positive number or None")
+            if not (math.isfinite(value) and value > 0):  # type: ignore[arg-type,operator]
+                raise ValueError(f"{where}: {key}={value!r} must be a positive number or None")
+            return float(value)  # type: ignore[arg-type]
+
+        steps = state["steps"]
+        if not isinstance(steps, int) or isinstance(steps, bool):
+            raise TypeError(f"{where}: steps={steps!r} must be an integer >= 0")
+        if steps < 0:
+            raise ValueError(f"{where}: steps={steps!r} must be an integer >= 0")
+        horizon = optional_positive("horizon")
+        first_units = optional_positive("first_units")
+        keep = real("keep", 0.0, 1.0)
+        if steps > 0 and not keep < 1.0:
+            raise ValueError(f"{where}: keep={keep!r} must be below 1 once steps > 0 (steps={steps})")
+        ema_grad_sq, ema_trace = real("ema_grad_sq"), real("ema_trace")
+        if version == 1:
+            # A version-1 state holds no second moments: they restart empty and the
+            # units seen follow from the fixed horizon it was saved with.
+            units_seen = -math.log(keep) * horizon if (horizon is not None and keep > 0) else 0.0
+            moments_keep = 1.0
+            moments = dict.fromkeys(("w2", "w2_per_unit", "q_gg", "q_tt", "q_gt", "l_g", "l_t"), 0.0)
+            memory = "fixed"
+        else:
+            units_seen = real("units_seen", 0.0)
+            moments_keep = real("moments_keep", keep, 1.0)
+            moments = {k: real(k, 0.0) for k in ("w2", "w2_per_unit", "q_gg", "q_tt")}
+            moments.update({k: real(k) for k in ("q_gt", "l_g", "l_t")})
+            memory = state.get("memory", "adaptive")
+            if memory not in ("adaptive", "fixed"):
+                raise ValueError(f"{where}: memory={memory!r} must be 'adaptive' or 'fixed'")
+        recent = {}
+        for key in ("recent_grad_sq", "recent_trace"):
+            values = state.get(key, [])
+            if not isinstance(values, (list, tuple)) or not all(_is_real(v) and math.isfinite(v) for v in values):
+                raise TypeError(f"{where}: {key} must be a list of finite real numbers")
+            recent[key] = [float(v) for v in values]
+
+        notes = []
+        if memory != self.memory:
+            notes.append(f"it was saved with a {memory} memory, this estimator has a {self.memory} one")
+        elif (self._configured_horizon is not None and horizon is not None
+              and not math.isclose(horizon, self._configured_horizon, rel_tol=1e-12)):
+            notes.append(f"it was saved with horizon={horizon:g}, this estimator has horizon={self._configured_horizon:g}")
+        if notes:
+            warnings.warn(f"{where}: {notes[0]}; the configured memory is used from now on",
+                          RuntimeWarning, stacklevel=2)
+
+        # Everything checked: assign.
         self._reset_state()
-        horizon = state["horizon"]
-        self.horizon = None if horizon is None else float(horizon)  # type: ignore[arg-type]
-        self._ema_grad_sq = float(state["ema_grad_sq"])  # type: ignore[arg-type]
-        self._ema_trace = float(state["ema_trace"])  # type: ignore[arg-type]
-        self._keep = float(state["keep"])  # type: ignore[arg-type]
-        self._steps = int(state["steps"])  # type: ignore[arg-type]
-        self._recent_grad_sq.extend(float(v) for v in state.get("recent_grad_sq", []))  # type: ignore[union-attr]
-        self._recent_trace.extend(float(v) for v in state.get("recent_trace", []))  # type: ignore[union-attr]
+        if self._configured_horizon is None:
+            if self.horizon_steps is not None and first_units is None and steps > 0:
+                self._horizon = horizon  # version 1: its horizon was derived the same way
+                first_units = None if horizon is None else horizon / self.horizon_steps
+            else:
+                self._horizon = horizon
+        self._first_units = first_units
+        self._units_seen = units_seen
+        self._steps = steps
+        self._keep = keep
+        self._moments_keep = moments_keep
+        self._ema_grad_sq, self._ema_trace = ema_grad_sq, ema_trace
+        self._w2, self._w2_per_unit = moments["w2"], moments["w2_per_unit"]
+        self._q_gg, self._q_tt, self._q_gt = moments["q_gg"], moments["q_tt"], moments["q_gt"]
+        self._l_g, self._l_t = moments["l_g"], moments["l_t"]
+        self._recent_grad_sq.extend(recent["recent_grad_sq"])
+        self._recent_trace.extend(recent["recent_trace"])
+
+
+def fieller_interval(
+    num: float, den: float, var_num: float, var_den: float, cov: float, quantile: float
+) -> tuple[float, float]:
+    """Fieller's confidence interval for ``num / den``, clipped to ``[0, inf]``.
+
+    The set of ``r`` with ``(num - r den)^2 <= q^2 (var_num - 2 r cov + r^2 var_den)``
+    (Fieller 1954). When ``den`` is significant (``den^2 > q^2 var_den``) it is a
+    bounded interval; otherwise its positive part is ``[low, inf)``, with ``low > 0``
+    only where ``num`` itself is significantly positive.
+
+    Args:
+        num: numerator estimate.
+        den: denominator estimate.
+        var_num: variance of ``num``.
+        var_den: variance of ``den``.
+        cov: covariance of ``num`` and ``den``.
+        quantile: ``q``, e.g. 1.645 for a 90% two-sided interval.
+
+    Returns:
+        ``(low, high)`` with ``0 <= low <= high <= inf``.
+    """
+    q2 = quantile * quantile
+    a = den * den - q2 * var_den
+    b = num * den - q2 * cov
+    c = num * num - q2 * var_num
+    disc = max(b * b - a * c, 0.0)
+    if a > 0:
+        root = math.sqrt(disc)
+        return max((b - root) / a, 0.0), max((b + root) / a, 0.0)
+    if c <= 0 or a == 0:  # 0 (and every ratio near it) is allowed: no lower bound
+        return 0.0, math.inf
+    # a < 0 < c: the set is outside the two roots, one below 0 and one above
+    return max((b - math.sqrt(disc)) / a, 0.0), math.inf
+
+
+def _student_quantile(dof: float) -> float:
+    """Student-t quantile at ``(1 + INTERVAL_CONFIDENCE) / 2`` (Cornish-Fisher, A&S 26.7.5)."""
+    z = _Z
+    nu = max(dof, 1.0)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / nu + g2 / nu**2 + g3 / nu**3
 
 
 def _quantile(ordered: list[float], q: float) -> float:
