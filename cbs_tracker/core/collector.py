@@ -1,28 +1,38 @@
 """Per-microbatch and per-step squared gradient norms from parameter hooks (torch, no collectives).
 
-``param.register_hook`` fires once per backward with that microbatch's **local**
-gradient, before it is added into ``.grad`` and before DDP's all-reduce (also
-on the synchronising microbatch). The hook reduces each parameter's gradient
-to one float32 norm (float64 for float64 gradients) on the gradient's device; the norms of one microbatch are
-combined by one ``stack().square().sum()`` when the microbatch ends. Nothing
-is copied to the host here: the per-step numbers stay on the device until the
-tracker reduces them across ranks and reads them once per optimizer step.
-
-Shapes and scales: every tensor this module returns is a 0-d float32 tensor
-(float64 when gradients are float64) on the gradient device, still carrying whatever factor the loss had (``1/A``
-division, AMP loss scale); the tracker removes those factors.
+A hook on each parameter sees that microbatch's local gradient (before it is added
+into ``.grad`` and before DDP's all-reduce) and only files it into a bucket per
+device and dtype; one fused ``torch._foreach_norm`` per bucket runs when the bucket
+is full, when the backward ends and when the microbatch ends. Nothing is copied to
+the host: the numbers stay on the device until the tracker reduces them once per
+optimizer step, still carrying the loss factors (``1/A``, the AMP loss scale).
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 # (param, local gradient) -> gradient to measure (e.g. Adam-preconditioned), or None to skip
 GradTransform = Callable[[nn.Parameter, torch.Tensor], "torch.Tensor | None"]
+
+#: Default bucket bound, as a fraction of one copy of the hooked gradients.
+BUCKET_FRACTION = 1 / 8
+#: Default bucket bound in bytes, whatever the model size.
+MAX_BUCKET_BYTES = 128 * 2**20
+
+_NORM_DTYPE = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+}
 
 
 @dataclass(frozen=True)
@@ -52,54 +62,116 @@ class StepStats:
         return self.num_microbatches * self.small_batch
 
 
-def adam_preconditioner(optimizer: torch.optim.Optimizer) -> GradTransform:
+class AdamPreconditioner:
     """Gradients divided by Adam's ``sqrt(v_hat) + eps`` (Kingma & Ba 2015).
 
     ``v_hat = exp_avg_sq / (1 - beta2^step)`` is read from the optimizer's state as
     it stands before this step's update (the preconditioner this step's update
     will almost use). Works for ``torch.optim.Adam``/``AdamW`` and any optimizer
     keeping ``exp_avg_sq`` and ``step`` per parameter and ``betas``/``eps`` per group.
-    A parameter without state yet (before the first step) returns ``None``.
+    Computed in float32 (float64 for float64 gradients). Call it per parameter, or
+    use :meth:`foreach` for a list (a few fused operators for the whole list).
+
+    Args:
+        optimizer: the Adam-like optimizer.
 
     Raises:
         ValueError: if a param group has no ``betas``/``eps`` (not an Adam-like optimizer).
     """
-    group_of: dict[int, dict] = {}
-    for group in optimizer.param_groups:
-        if "betas" not in group or "eps" not in group:
-            raise ValueError(
-                f"CBSTracker(preconditioner='adam'): optimizer {type(optimizer).__name__} has a param "
-                "group without 'betas'/'eps'; use an Adam-like optimizer or preconditioner=None"
-            )
-        for p in group["params"]:
-            group_of[id(p)] = group
 
-    def transform(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
-        state = optimizer.state.get(param)
-        group = group_of.get(id(param))
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._group_of: dict[int, dict[str, Any]] = {}
+        for group in optimizer.param_groups:
+            if "betas" not in group or "eps" not in group:
+                raise ValueError(
+                    f"CBSTracker(preconditioner='adam'): optimizer {type(optimizer).__name__} has a param "
+                    "group without 'betas'/'eps'; use an Adam-like optimizer or preconditioner=None"
+                )
+            for p in group["params"]:
+                self._group_of[id(p)] = group
+        # id(param) -> (step object, its version, 1 - beta2^step): read once per optimizer step,
+        # not once per microbatch (a tensor step is a host read each time).
+        self._bias2: dict[int, tuple[Any, int, float]] = {}
+
+    def _state(self, param: nn.Parameter) -> tuple[torch.Tensor, float, float] | None:
+        """``(exp_avg_sq, 1 - beta2^step, eps)`` of ``param``, or ``None`` without state yet."""
+        state = self.optimizer.state.get(param)
+        group = self._group_of.get(id(param))
         if not state or group is None or "exp_avg_sq" not in state:
             return None
-        step = float(state["step"])
-        bias2 = 1.0 - group["betas"][1] ** step
+        step = state["step"]
+        version = step._version if isinstance(step, torch.Tensor) else -1
+        cached = self._bias2.get(id(param))
+        if cached is not None and cached[0] is step and cached[1] == version and version >= 0:
+            bias2 = cached[2]
+        else:
+            bias2 = 1.0 - group["betas"][1] ** float(step)
+            self._bias2[id(param)] = (step, version, bias2)
         exp_avg_sq = state["exp_avg_sq"]
         if hasattr(exp_avg_sq, "to_local"):  # FSDP2: state is sharded like the parameter
             exp_avg_sq = exp_avg_sq.to_local()
-        denom = (exp_avg_sq.float() / bias2).sqrt_().add_(group["eps"])
-        return grad.float() / denom
+        return exp_avg_sq, bias2, float(group["eps"])
 
-    return transform
+    def __call__(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad / (sqrt(v_hat) + eps)`` for one parameter; ``None`` before its first step."""
+        st = self._state(param)
+        if st is None:
+            return None
+        exp_avg_sq, bias2, eps = st
+        dtype = _norm_dtype(grad.dtype)
+        denom = (exp_avg_sq.to(dtype) / bias2).sqrt_().add_(eps)
+        return grad.to(dtype) / denom
+
+    def foreach(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """:meth:`__call__` for lists on one device with one gradient dtype (fused operators).
+
+        Returns:
+            The preconditioned gradients, or ``None`` if any parameter has no state yet.
+        """
+        states = [self._state(p) for p in params]
+        if any(s is None for s in states):
+            return None
+        dtype = _norm_dtype(grads[0].dtype)
+        exps = [s[0] if s[0].dtype == dtype else s[0].to(dtype) for s in states]  # type: ignore[index]
+        denom = torch._foreach_div(exps, [s[1] for s in states])  # type: ignore[index]
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, [s[2] for s in states])  # type: ignore[index]
+        return list(torch._foreach_div(grads, denom))
+
+
+def adam_preconditioner(optimizer: torch.optim.Optimizer) -> AdamPreconditioner:
+    """The :class:`AdamPreconditioner` of ``optimizer`` (a :data:`GradTransform` with a fused form).
+
+    Raises:
+        ValueError: if a param group has no ``betas``/``eps`` (not an Adam-like optimizer).
+    """
+    return AdamPreconditioner(optimizer)
 
 
 class GradStatsCollector:
-    """Sums the squared norms of per-microbatch local gradients, batched, without host syncs.
+    """Sums the squared norms of per-microbatch local gradients, in buckets, without host syncs.
+
+    Each hook only files the incoming gradient (a reference, no copy) into the
+    bucket of its device and dtype. A bucket is reduced by one ``_foreach_norm``
+    when adding a gradient would push the gradients held above ``bucket_bytes``,
+    at the end of each backward (an autograd-engine callback) and at the end of
+    the microbatch; a gradient of ``bucket_bytes`` or more is reduced at once.
 
     Args:
         params: parameters whose gradients are measured (the ones a hook sees:
             ``ddp.module.parameters()``, or FSDP2's unsharded parameters).
         transform: optional map applied to each gradient before its norm (e.g.
-            :func:`adam_preconditioner`); a ``None`` result marks the microbatch as
-            unmeasurable (e.g. no optimizer state yet).
+            :func:`adam_preconditioner`; one with a ``foreach(params, grads)``
+            method is applied per bucket); a ``None`` result marks the
+            microbatch as unmeasurable (e.g. no optimizer state yet).
         register: register hooks on ``params`` now (FSDP2 adapters register later).
+        bucket_bytes: most bytes of gradients held at once (``None``: the smaller
+            of ``BUCKET_FRACTION`` of the hooked parameters' bytes and
+            ``MAX_BUCKET_BYTES``; ``0``: one norm per gradient, in its hook).
+
+    Raises:
+        ValueError: ``bucket_bytes`` is negative.
     """
 
     def __init__(
@@ -108,17 +180,38 @@ class GradStatsCollector:
         *,
         transform: GradTransform | None = None,
         register: bool = True,
+        bucket_bytes: int | None = None,
     ) -> None:
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or int(bucket_bytes) != bucket_bytes
+                                         or bucket_bytes < 0):
+            raise ValueError(f"GradStatsCollector(bucket_bytes={bucket_bytes!r}): must be None or an integer >= 0")
         self.transform = transform
+        self._fused_transform = getattr(transform, "foreach", None)
+        self._fixed_bucket_bytes = None if bucket_bytes is None else int(bucket_bytes)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked: set[int] = set()
+        self._param_bytes = 0
+        self._lock = threading.Lock()  # hooks of several devices run on several autograd threads
         self._recording = False
-        self._partials: list[torch.Tensor] = []
         self._skipped = False
+        self._eager = False  # set after a held gradient was seen modified before its norm
+        # the gradients held: (device, dtype) -> [(param, gradient, version if it may become .grad)]
+        self._buckets: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, torch.Tensor, int | None]]] = {}
+        self._held_ids: set[int] = set()
+        self._held_bytes = 0
+        self._callback_queued = False
+        # the microbatch's partial norms: (device, norm dtype) -> 0-d tensors
+        self._norms: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        self._hooks_this_microbatch = 0
         self._micro_sq: list[torch.Tensor] = []
         # sizes given as numbers stay on the host until the step (no copy per microbatch)
         self._micro_size: list[torch.Tensor | float] = []
         self.window_unmeasurable = False
+        #: hook calls seen by the last finished microbatch (0: its backward ran outside it,
+        #: or nothing required grad)
+        self.hooks_fired_in_last_microbatch = 0
+        #: hook calls that arrived outside any microbatch since the last :meth:`reset_window`
+        self.hooks_fired_outside = 0
         if register:
             for p in params:
                 self.hook(p)
@@ -129,19 +222,110 @@ class GradStatsCollector:
         if not param.requires_grad or id(param) in self._hooked:
             return
         self._hooked.add(id(param))
+        self._param_bytes += param.numel() * param.element_size()
         self._handles.append(param.register_hook(self._make_hook(param)))
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The most bytes of incoming gradients held at once before their norms are taken."""
+        if self._fixed_bucket_bytes is not None:
+            return self._fixed_bucket_bytes
+        return min(int(self._param_bytes * BUCKET_FRACTION), MAX_BUCKET_BYTES)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of incoming gradients held now, their norms not yet taken (at most :attr:`bucket_bytes`)."""
+        return self._held_bytes
 
     def _make_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         def fn(grad: torch.Tensor) -> None:
             if not self._recording:
+                self.hooks_fired_outside += 1
                 return
-            g = grad if self.transform is None else self.transform(param, grad)
+            with self._lock:
+                self._hooks_this_microbatch += 1
+                self._file(param, grad)
+
+        return fn
+
+    def _file(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        g: torch.Tensor | None = grad
+        if self.transform is not None and self._fused_transform is None:
+            g = self.transform(param, grad)
             if g is None:
                 self._skipped = True
                 return
-            self._partials.append(torch.linalg.vector_norm(g, dtype=_norm_dtype(g.dtype)))
+        nbytes = g.numel() * g.element_size()
+        limit = self.bucket_bytes
+        if self._eager or nbytes >= limit:
+            self._reduce([param], [g])
+            return
+        if id(param) in self._held_ids:
+            # A second gradient of this parameter in one microbatch: take the held one's norm
+            # before autograd accumulates into it (it may have become .grad).
+            self._flush()
+        elif self._held_bytes + nbytes > limit:
+            self._flush()
+        version = None
+        if g is grad and param.grad is None:
+            # Autograd steals an unreferenced gradient into .grad (no copy) and clones a
+            # referenced one: hold ``.data`` (shares the storage, no reference to the tensor)
+            # and check .grad's version before the norm. With .grad set, autograd adds
+            # into it and the incoming tensor is only read, so it is held as it is.
+            version = grad._version
+            g = grad.data
+        self._buckets.setdefault((g.device, g.dtype), []).append((param, g, version))
+        self._held_ids.add(id(param))
+        self._held_bytes += nbytes
+        if not self._callback_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+                self._callback_queued = True
+            except RuntimeError:  # not inside an engine backward: end_microbatch flushes
+                pass
 
-        return fn
+    def _backward_end(self) -> None:
+        with self._lock:
+            self._callback_queued = False
+            self._flush()
+
+    def _flush(self) -> None:
+        """Take the norms of every held gradient (one ``_foreach_norm`` per bucket)."""
+        if not self._held_ids:
+            return
+        buckets = self._buckets
+        self._buckets = {}
+        self._held_ids = set()
+        self._held_bytes = 0
+        for entries in buckets.values():
+            params = [e[0] for e in entries]
+            grads = [e[1] for e in entries]
+            if any(v is not None and _modified_through_grad(p, g, v) for p, g, v in entries):
+                self._aliasing_detected()
+                continue
+            self._reduce(params, grads)
+
+    def _aliasing_detected(self) -> None:
+        warnings.warn(
+            "cbs-tracker: a held gradient was modified in place (through .grad) before its norm was "
+            "taken; this window is not measured and the norms are now taken inside each hook",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self._skipped = True
+        self._eager = True
+
+    def _reduce(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            if self._fused_transform is not None:
+                out = self._fused_transform(params, grads)
+                if out is None:
+                    self._skipped = True
+                    return
+                grads = out
+            norm_dtype = _norm_dtype(grads[0].dtype)
+            norms = torch._foreach_norm(grads, 2, dtype=norm_dtype)
+        self._norms.setdefault((grads[0].device, norm_dtype), []).extend(norms)
 
     def remove(self) -> None:
         """Remove every hook (the model is left as it was)."""
@@ -149,6 +333,7 @@ class GradStatsCollector:
             h.remove()
         self._handles.clear()
         self._hooked.clear()
+        self._param_bytes = 0
 
     @property
     def num_hooks(self) -> int:
@@ -160,26 +345,42 @@ class GradStatsCollector:
         if self._recording:
             raise RuntimeError("GradStatsCollector.begin_microbatch: the previous microbatch was not ended")
         self._recording = True
-        self._partials = []
+        self._norms = {}
         self._skipped = False
+        self._hooks_this_microbatch = 0
 
     def end_microbatch(self, size: torch.Tensor | float) -> None:
-        """Close the microbatch; ``size`` is its loss-contributing units (tokens or samples)."""
-        self._recording = False
+        """Close the microbatch; ``size`` is its loss-contributing units (tokens or samples).
+
+        ``size`` may be a number or a 0-d tensor (left on its device); it is checked
+        in :meth:`window_sums`.
+        """
+        with self._lock:
+            self._flush()
+            self._recording = False
+            self._callback_queued = False
+            groups, self._norms = self._norms, {}
         if self._skipped:
             self.window_unmeasurable = True
-        if self._partials:
-            sq = torch.stack(self._partials).square().sum()
-        else:
+        self.hooks_fired_in_last_microbatch = self._hooks_this_microbatch
+        if not groups:
             # No hook fired (no backward in this microbatch, or no trainable params).
             sq = torch.zeros((), dtype=torch.float32)
-        self._partials = []
+        else:
+            parts = []
+            for norms in groups.values():
+                v = torch.stack(norms)
+                parts.append(torch.dot(v, v))
+            sq = parts[0]
+            for part in parts[1:]:  # several devices or norm dtypes: rare
+                dtype = torch.promote_types(sq.dtype, part.dtype)
+                sq = sq.to(dtype) + part.to(sq.device, dtype)
         self._micro_sq.append(sq)
         self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
 
     @property
     def num_microbatches(self) -> int:
-        """Microbatches ended in the current window on this rank."""
+        """Microbatches ended in the current window on this rank (whatever their size)."""
         return len(self._micro_sq)
 
     def microbatch_sq_norms(self) -> list[torch.Tensor]:
@@ -187,26 +388,40 @@ class GradStatsCollector:
         return list(self._micro_sq)
 
     def window_sums(self, device: torch.device) -> torch.Tensor:
-        """``[sum_k |h_k|^2, K, sum_k 1/b_k, sum_k b_k]`` of this rank's window, float64 on ``device``.
+        """This rank's window as ``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid]``, float64 on ``device``.
 
         ``h_k`` are the hooked gradients as the backward produced them (loss
-        division and AMP scale still in).
+        division and AMP scale still in), ``b_k`` the sizes given to
+        :meth:`end_microbatch`. The first four sums run over the microbatches with
+        a valid positive size only: a microbatch of size 0 (every label ignored)
+        is left out of all of them alike, so it neither counts as a microbatch
+        nor adds a zero norm. ``invalid`` counts the microbatches whose size was
+        negative, NaN or infinite (also left out); the caller raises on it after
+        its reduction. Checked on the device, without a host sync.
         """
         if not self._micro_sq:
-            return torch.zeros(4, dtype=torch.float64, device=device)
-        sq = torch.stack([t.to(device) for t in self._micro_sq]).double()
-        host = [float(v) for v in self._micro_size if not isinstance(v, torch.Tensor)]
-        on_device = [v.to(device).double() for v in self._micro_size if isinstance(v, torch.Tensor)]
-        parts = on_device + ([torch.tensor(host, dtype=torch.float64, device=device)] if host else [])
-        size = torch.cat([t.reshape(-1) for t in parts])
-        inv = torch.where(size > 0, 1.0 / size.clamp_min(1e-30), torch.zeros_like(size))
-        count = torch.tensor(float(len(self._micro_sq)), dtype=torch.float64, device=device)
-        return torch.stack([sq.sum(), count, inv.sum(), size.sum()])
+            return torch.zeros(5, dtype=torch.float64, device=device)
+        sq = _stack_float64(self._micro_sq, device)
+        if all(not isinstance(v, torch.Tensor) for v in self._micro_size):
+            size = torch.tensor(self._micro_size, dtype=torch.float64, device=device)
+        else:
+            size = _stack_float64(
+                [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+                 for v in self._micro_size],
+                device,
+            )
+        ok = torch.isfinite(size) & (size >= 0)
+        valid = ok & (size > 0)
+        cols = torch.stack([sq, torch.ones_like(size), size.reciprocal(), size], dim=1)
+        sums = torch.where(valid.unsqueeze(1), cols, 0.0).sum(0)
+        invalid = (~ok).sum(dtype=torch.float64)
+        return torch.cat([sums, invalid.reshape(1)])
 
     def reset_window(self) -> None:
         self._micro_sq = []
         self._micro_size = []
         self.window_unmeasurable = False
+        self.hooks_fired_outside = 0
 
 
 def local_grad_sq_norm(
@@ -219,32 +434,57 @@ def local_grad_sq_norm(
     ``transform`` the transformed gradients are measured; a ``None`` from it
     returns ``None`` (unmeasurable step).
     """
-    grads: list[torch.Tensor] = []
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], list[torch.Tensor]]] = {}
     for p in params:
         g = p.grad
         if g is None:
             continue
         if hasattr(g, "to_local"):
             g = g.to_local()
-        if transform is not None:
-            g = transform(p, g)
-            if g is None:
-                return None
-        grads.append(g)
-    if not grads:
+        ps, gs = groups.setdefault((g.device, g.dtype), ([], []))
+        ps.append(p)
+        gs.append(g)
+    if not groups:
         return None
-    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault((g.device, _norm_dtype(g.dtype)), []).append(g)
+    fused = getattr(transform, "foreach", None)
     total: torch.Tensor | None = None
-    for (_, norm_dtype), dev_grads in by_device.items():
-        # one fused pass per device and dtype; float32 so fp16 gradients cannot overflow
-        norms = torch._foreach_norm(dev_grads, 2, dtype=norm_dtype)
-        part = torch.stack(norms).square().sum()
-        total = part if total is None else total + part.to(total.device)
+    with torch.no_grad():
+        for ps, gs in groups.values():
+            if fused is not None:
+                out = fused(ps, gs)
+            elif transform is not None:
+                out = [transform(p, g) for p, g in zip(ps, gs, strict=True)]
+                out = None if any(t is None for t in out) else out
+            else:
+                out = gs
+            if out is None:
+                return None
+            # one fused pass per device and dtype; float32 so fp16 gradients cannot overflow
+            v = torch.stack(torch._foreach_norm(out, 2, dtype=_norm_dtype(out[0].dtype)))
+            part = torch.dot(v, v)
+            if total is None:
+                total = part
+            else:
+                dtype = torch.promote_types(total.dtype, part.dtype)
+                total = total.to(dtype) + part.to(total.device, dtype)
     return total
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half/bf16/float32 gradients (no overflow), float64 for float64 (no narrowing)."""
-    return torch.promote_types(dtype, torch.float32)
+    found = _NORM_DTYPE.get(dtype)
+    return found if found is not None else torch.promote_types(dtype, torch.float32)
+
+
+def _modified_through_grad(param: nn.Parameter, held: torch.Tensor, version: int) -> bool:
+    """The held gradient became ``param.grad`` (autograd stole it) and was changed in place since."""
+    current = param.grad
+    return current is not None and current.data_ptr() == held.data_ptr() and current._version != version
+
+
+def _stack_float64(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``values`` (0-d tensors) as one float64 vector on ``device`` (one stack when they agree)."""
+    first = values[0]
+    if all(v.dtype == first.dtype and v.device == first.device for v in values):
+        return torch.stack(values).to(device=device, dtype=torch.float64)
+    return torch.stack([v.to(device=device, dtype=torch.float64) for v in values])
