@@ -1,6 +1,6 @@
 """FSDP2 adapter: ``FSDPTracker`` measures the noise scale of a ``fully_shard`` model.
 
-Usage (the plain-loop API of :class:`~cbs_tracker.integrations.plain.CBSTracker`, unchanged)::
+Usage (the plain-loop API of :class:`~cbs_tracker.core.loop.LoopTracker`, unchanged)::
 
     from torch.distributed.fsdp import fully_shard
     from cbs_tracker.integrations.fsdp import FSDPTracker
@@ -70,7 +70,7 @@ The tracker assumes FSDP's default average over the DP ranks; after
 (``grads_averaged_over_ranks=False`` covers ``f = 1``, a plain sum).
 
 Collective discipline: the tracker adds exactly one ``all_reduce`` per
-:meth:`~cbs_tracker.integrations.plain.CBSTracker.step` on every rank, also when a rank's
+:meth:`FSDPTracker.step` on every rank, also when a rank's
 gradients are not finite (every rank then drops the step) or a rank's data ran
 out (it contributes zero counts). FSDP's own collectives are the loop's business:
 with uneven data every rank must still run the same number of gradient
@@ -79,15 +79,14 @@ synchronisations (stop all ranks together when one runs out).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
-from cbs_tracker.integrations.plain import CBSTracker
 from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.loop import LoopTracker
 
 __all__ = ["FSDPTracker", "GradientSync"]
 
@@ -106,8 +105,8 @@ def _dtensor_type() -> type:
     return DTensor
 
 
-class FSDPTracker(CBSTracker):
-    """:class:`~cbs_tracker.integrations.plain.CBSTracker` for a model wrapped with FSDP2's ``fully_shard``.
+class FSDPTracker(LoopTracker):
+    """:class:`~cbs_tracker.core.loop.LoopTracker` for a model wrapped with FSDP2's ``fully_shard``.
 
     Args:
         model: the root module, itself an ``FSDPModule`` (``fully_shard(model)`` was
@@ -117,7 +116,7 @@ class FSDPTracker(CBSTracker):
             sync on all but the last microbatch of each window; ``"every"``: the
             tracker leaves it alone (FSDP reduces every microbatch, or whatever the
             loop sets).
-        **kwargs: every keyword of :class:`~cbs_tracker.integrations.plain.CBSTracker`
+        **kwargs: every keyword of :class:`~cbs_tracker.core.loop.LoopTracker`
             (``accumulation_steps``, ``unit``, ``controller``, ``process_group`` or
             ``device_mesh`` + ``mesh_dim``, ``grad_scaler``, ``estimator``, ...).
 
@@ -192,15 +191,20 @@ class FSDPTracker(CBSTracker):
             raise
 
     # ------------------------------------------------------------------ adapter points
-    def _measured_params(self) -> list[nn.Parameter]:
-        # The objects the hooks go on exist only after FSDP's first all-gather.
-        return []
-
     def _register_hooks(self) -> None:
+        # The objects the norm hooks go on exist only after FSDP's first all-gather: a
+        # forward-pre-hook (after FSDP's own, which all-gathers) hooks the unsharded ones.
+        if not self._sharded_ids:
+            raise ValueError(
+                f"FSDPTracker(model={type(self.model).__name__}): the model has no parameter with "
+                "requires_grad=True, so there is no gradient to measure"
+            )
         for module in self._fsdp_modules:
-            # FSDP prepends its own pre-forward (the all-gather); this one runs after it,
-            # when the module's parameters are the unsharded ones.
             self._pre_hook_handles.append(module.register_forward_pre_hook(self._hook_unsharded))
+
+    def _refresh_params(self) -> None:
+        # The trainable set is fixed at construction under FSDP2 (see docs/design.md).
+        pass
 
     def _hook_unsharded(self, module: nn.Module, args: Any) -> None:
         for p in module.parameters():
@@ -211,27 +215,20 @@ class FSDPTracker(CBSTracker):
         # HSDP: replicas hold the same shard; only replica 0 reports it (the others add 0).
         return self._big_report_params
 
+    def _skips_sync(self) -> bool:
+        return self.gradient_sync == "last"
+
+    def _sync_context(self, last: bool) -> AbstractContextManager[Any]:
+        if self.gradient_sync == "last":
+            self.model.set_requires_gradient_sync(last)
+        return nullcontext()
+
     def remove_hooks(self) -> None:
         """Detach from the model: the norm hooks and the forward-pre-hooks."""
         for h in self._pre_hook_handles:
             h.remove()
         self._pre_hook_handles.clear()
         super().remove_hooks()
-
-    # ------------------------------------------------------------------ the loop
-    @contextmanager
-    def microbatch(
-        self, size: float | int | torch.Tensor | None = None, *, labels: torch.Tensor | None = None
-    ) -> Iterator[None]:
-        """Wrap one microbatch; with ``gradient_sync="last"`` only the last one syncs.
-
-        See :meth:`cbs_tracker.integrations.plain.CBSTracker.microbatch`.
-        """
-        with super().microbatch(size, labels=labels):
-            if self.gradient_sync == "last":
-                last = self._window_index >= self._accumulation_steps - 1
-                self.model.set_requires_gradient_sync(last)
-            yield
 
 
 def _group_ranks(group: Any | None) -> set[int]:

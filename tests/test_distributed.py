@@ -71,7 +71,9 @@ def _num(x: float | None) -> float:
     return float("nan") if x is None else float(x)
 
 
-def assert_same_run(ranks: list[dict[str, Any]], ref: dict[str, Any], dp_size: int, *, params: bool = True) -> None:
+def assert_same_run(
+    ranks: list[dict[str, Any]], ref: dict[str, Any], dp_size: int, *, params: bool = True, ragged_from: int | None = None
+) -> None:
     """Every rank's records equal each other exactly and the reference to ``RTOL``."""
     first = ranks[0]["records"]
     for other in ranks[1:]:
@@ -83,7 +85,12 @@ def assert_same_run(ranks: list[dict[str, Any]], ref: dict[str, Any], dp_size: i
         assert got["dp_degree"] == dp_size, step
         assert got["dropped"] == want["dropped"], step
         # the reference runs dp_size times the per-rank accumulation in one window
-        assert got["accumulation_steps"] * dp_size == want["accumulation_steps"], step
+        if ragged_from is None or step < ragged_from:
+            assert got["accumulation_steps"] * dp_size == want["accumulation_steps"], step
+        else:
+            # a window in which a rank ran short: one process records what it ran, several
+            # ranks record the accumulation they were set to (the mean per rank is not whole)
+            assert want["accumulation_steps"] < got["accumulation_steps"] * dp_size, step
         assert got["next_accumulation_steps"] * dp_size == want["next_accumulation_steps"], step
         for key in MEASURED + ("critical_batch",):
             assert (got[key] is None) == (want[key] is None), (step, key)
@@ -124,7 +131,7 @@ def test_nonfinite_rank_drops_the_step_on_every_rank(two_ranks, name):
 def test_rank_whose_data_ran_out_takes_part(two_ranks):
     ranks = two_ranks["manual_ranout"]
     ref = dw.reference_run(steps=STEPS, dp_size=2, available=dw.ranout_available)
-    assert_same_run(ranks, ref, 2)
+    assert_same_run(ranks, ref, 2, ragged_from=5)
     # step 5: rank 1 ran one of two microbatches; from step 6 on only rank 0 has data
     got = ranks[0]["records"]
     assert got[5]["global_batch"] < got[3]["global_batch"] * 1.5

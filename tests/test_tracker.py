@@ -286,8 +286,9 @@ def test_calls_in_the_wrong_order_are_refused():
     with pytest.raises(TypeError, match=r"pass exactly one of size= .* or labels="):
         with tracker.microbatch():
             pass
-    with pytest.raises(ValueError, match=r"CBSTracker.microbatch\(size=0\): must be a positive number"):
-        with tracker.microbatch(size=0):
+    # a negative size is refused; 0 is allowed (a microbatch whose labels are all ignored)
+    with pytest.raises(ValueError, match=r"CBSTracker.microbatch\(size=-1\): must be a finite number >= 0"):
+        with tracker.microbatch(size=-1):
             pass
     with pytest.raises(RuntimeError, match="cannot be nested"):
         with tracker.microbatch(size=1):

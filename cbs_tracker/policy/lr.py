@@ -1,11 +1,253 @@
-"""Learning-rate coupling of a batch change and the handling of the user's LR scheduler."""
+"""Learning-rate coupling of a batch change and the timing of the user's LR scheduler in tokens.
+
+:class:`ScheduleTimer` keeps a step-sized torch scheduler on its token timing while
+the batch grows and multiplies what it sets by the batch-size coupling;
+:func:`resolve_coupling` picks the coupling from the optimizer; :func:`token_schedule`
+writes a schedule directly in units seen. See docs/design.md ("Learning-rate schedules").
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
 
-__all__ = ["apply_lr_factor"]
+__all__ = [
+    "COUPLINGS",
+    "ScheduleTimer",
+    "apply_lr_factor",
+    "coupling_factor",
+    "resolve_coupling",
+    "token_schedule",
+]
+
+Coupling = Literal["keep", "sqrt", "linear"]
+COUPLINGS = ("auto", "keep", "sqrt", "linear")
+
+# Optimizers whose update is normalised by a second-moment estimate (or a sign): a doubled
+# batch is worth LR x sqrt(2) there, and LR x 2 for plain SGD (momentum or not).
+_ADAPTIVE = {
+    "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adafactor", "Adagrad",
+    "RMSprop", "Adadelta", "Lion", "LAMB", "Lamb", "AdEMAMix", "Muon", "SOAP", "Shampoo",
+}
+_SGD = {"SGD", "ASGD"}
+
+
+def resolve_coupling(mode: str | None, optimizer: Any | None, *, owner: str = "cbs-tracker") -> Coupling:
+    """The learning-rate coupling to use: ``mode`` itself, or for ``"auto"``/``None`` the optimizer's rule.
+
+    ``sqrt`` for Adam-family (adaptive) optimizers, ``linear`` for SGD; an optimizer
+    of another kind gets ``sqrt`` with a warning saying so. Without an optimizer: ``keep``.
+
+    Raises:
+        ValueError: ``mode`` is not one of ``"auto"``, ``"keep"``, ``"sqrt"``, ``"linear"``, ``None``.
+    """
+    if mode is not None and mode not in COUPLINGS:
+        raise ValueError(f"{owner}(lr_coupling={mode!r}): expected one of {list(COUPLINGS)} or None")
+    if mode not in (None, "auto"):
+        return mode  # type: ignore[return-value]
+    if optimizer is None:
+        return "keep"
+    name = type(optimizer).__name__
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in _SGD:
+            return "linear"
+        if cls.__name__ in _ADAPTIVE:
+            return "sqrt"
+    warnings.warn(
+        f"{owner}: lr_coupling='auto' does not know the optimizer {name}; it uses 'sqrt' (the rule "
+        "for adaptive optimizers: LR x sqrt(2) per doubling). Pass lr_coupling='linear' for an "
+        "SGD-like optimizer or 'keep' to leave the LR alone.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return "sqrt"
+
+
+def coupling_factor(coupling: str, batch_ratio: float) -> float:
+    """The LR factor of a batch ``batch_ratio`` times the starting batch: 1, sqrt(ratio) or ratio."""
+    if coupling == "keep":
+        return 1.0
+    if coupling == "sqrt":
+        return math.sqrt(batch_ratio)
+    if coupling == "linear":
+        return float(batch_ratio)
+    raise ValueError(f"coupling_factor(coupling={coupling!r}): expected 'keep', 'sqrt' or 'linear'")
+
+
+def token_schedule(
+    peak_lr: float,
+    total: float,
+    *,
+    warmup: float = 0.0,
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine",
+    final_ratio: float = 0.1,
+    decay_fraction: float = 0.2,
+) -> Callable[[float], float]:
+    """A learning-rate schedule written in units seen (tokens or samples), not in steps.
+
+    ``lr(units)``: linear warm-up over ``warmup`` units, then ``cosine`` or ``linear``
+    decay to ``final_ratio * peak_lr`` at ``total``; ``wsd`` (warmup-stable-decay) holds
+    the peak and decays linearly over the last ``decay_fraction`` of ``total``;
+    ``constant`` holds the peak. Beyond ``total`` it stays at the final value. Use it
+    with a ``LambdaLR`` whose lambda reads the tracker's units seen, or set the LR
+    yourself each step; a schedule in units needs no re-timing when the batch grows.
+
+    Raises:
+        ValueError: a non-positive ``peak_lr`` or ``total``, ``warmup`` outside ``[0, total)``,
+            ``final_ratio`` outside ``[0, 1]``, ``decay_fraction`` outside ``(0, 1]``, unknown ``decay``.
+    """
+    if not (isinstance(peak_lr, (int, float)) and math.isfinite(peak_lr) and peak_lr > 0):
+        raise ValueError(f"token_schedule(peak_lr={peak_lr!r}): must be a finite number > 0")
+    if not (isinstance(total, (int, float)) and math.isfinite(total) and total > 0):
+        raise ValueError(f"token_schedule(total={total!r}): must be a finite number > 0")
+    if not (isinstance(warmup, (int, float)) and 0 <= warmup < total):
+        raise ValueError(f"token_schedule(warmup={warmup!r}): must be in [0, total={total!r})")
+    if not (isinstance(final_ratio, (int, float)) and 0 <= final_ratio <= 1):
+        raise ValueError(f"token_schedule(final_ratio={final_ratio!r}): must be in [0, 1]")
+    if not (isinstance(decay_fraction, (int, float)) and 0 < decay_fraction <= 1):
+        raise ValueError(f"token_schedule(decay_fraction={decay_fraction!r}): must be in (0, 1]")
+    if decay not in ("cosine", "linear", "wsd", "constant"):
+        raise ValueError(f"token_schedule(decay={decay!r}): expected 'cosine', 'linear', 'wsd' or 'constant'")
+    low = final_ratio * peak_lr
+
+    def lr(units: float) -> float:
+        if warmup > 0 and units < warmup:
+            return peak_lr * (units + 1e-12) / warmup if units > 0 else peak_lr * 0.0
+        if decay == "constant":
+            return peak_lr
+        if decay == "wsd":
+            start = total * (1.0 - decay_fraction)
+            if units <= start:
+                return peak_lr
+            frac = min(1.0, (units - start) / (total - start))
+            return peak_lr - (peak_lr - low) * frac
+        frac = min(1.0, max(0.0, (units - warmup) / (total - warmup)))
+        if decay == "linear":
+            return peak_lr - (peak_lr - low) * frac
+        return low + 0.5 * (peak_lr - low) * (1.0 + math.cos(math.pi * frac))
+
+    return lr
+
+
+class ScheduleTimer:
+    """Keeps a step-sized LR scheduler on its token timing and applies the batch-size coupling.
+
+    Every batch the controller allows is ``B0 * 2**e``, so one optimizer step at the
+    accumulation ``A0 * 2**e`` holds the units of ``2**e`` steps at the starting batch.
+    Each call of the scheduler's ``step()`` (by the user's loop, Lightning or the
+    Hugging Face ``Trainer``, once per optimizer step as usual) advances it by the
+    starting-batch steps owed since the last call (:meth:`owe`), so any torch
+    scheduler (chained, sequential, OneCycle) keeps its timing in units. Before
+    advancing, the param groups get back the scheduler's own values; after it, the
+    learning rate is ``scheduled * coupling`` (optionally capped at the peak). The
+    scheduler never sees the coupling, so recursive and closed-form schedulers stay
+    exact and its ``state_dict`` is the plain schedule's.
+
+    The scheduler's class is swapped for a subclass whose ``step`` does this (the
+    instance ``__dict__`` and so its ``state_dict`` are untouched); :meth:`detach`
+    restores it. A second ``step()`` call for the same optimizer step raises.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: Any, *, owner: str, cap_at_peak: bool = False) -> None:
+        if isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None)):
+            raise TypeError(
+                f"{owner}(lr_scheduler={scheduler!r}): expected a torch.optim.lr_scheduler instance "
+                "(an object with step() and optimizer) or None"
+            )
+        if getattr(scheduler, "optimizer", None) is not optimizer:
+            raise ValueError(
+                f"{owner}(lr_scheduler={type(scheduler).__name__}): the scheduler drives a different "
+                "optimizer than the one given to the tracker"
+            )
+        if _has_timer(scheduler):
+            raise RuntimeError(
+                f"{owner}(lr_scheduler={type(scheduler).__name__}): this scheduler is already timed by "
+                "another tracker or callback; attach it to one only"
+            )
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+        self.owner = owner
+        self.cap_at_peak = bool(cap_at_peak)
+        self.coupling = 1.0
+        self.owed = 0
+        self._plateau = type(scheduler).__name__ == "ReduceLROnPlateau"
+        groups = optimizer.param_groups
+        self.scheduled = [float(g["lr"]) for g in groups]
+        self.peak = [float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in groups]
+        self._orig_class = type(scheduler)
+        timer = self
+
+        def step(self_sched: Any, *args: Any, **kwargs: Any) -> None:
+            timer._step(*args, **kwargs)
+
+        scheduler.__class__ = type(self._orig_class.__name__, (self._orig_class,), {"step": step, "_cbs_timer": timer})
+
+    # ------------------------------------------------------------------ driven by the session
+    def owe(self, steps: int) -> None:
+        """Starting-batch steps the schedule owes after an optimizer step that held that many."""
+        self.owed += int(steps)
+
+    def set_coupling(self, factor: float) -> None:
+        """Apply a new coupling factor now: ``lr = scheduled * factor`` in every param group."""
+        self.coupling = float(factor)
+        self._write()
+
+    def detach(self) -> None:
+        """Give the scheduler its own class back (the learning rate stays as it is)."""
+        if type(self.scheduler) is not self._orig_class and _has_timer(self.scheduler):
+            self.scheduler.__class__ = self._orig_class
+
+    # ------------------------------------------------------------------ the patched step
+    def _step(self, *args: Any, **kwargs: Any) -> None:
+        groups = self.optimizer.param_groups
+        for g, lr in zip(groups, self.scheduled):
+            g["lr"] = _set(g["lr"], lr)
+        if self._plateau:
+            # metric-driven, not step-sized: one call, no re-timing
+            self._orig_class.step(self.scheduler, *args, **kwargs)
+        else:
+            if self.owed <= 0:
+                self._write()
+                raise RuntimeError(
+                    f"{self.owner}: lr_scheduler.step() was called twice for one optimizer step (or before "
+                    "the tracker measured the step). The scheduler given to the tracker is advanced by "
+                    "its own units-seen timing on each call: call lr_scheduler.step() once per optimizer "
+                    "step, after optimizer.step(), and nowhere else."
+                )
+            n, self.owed = self.owed, 0
+            for _ in range(n):
+                self._orig_class.step(self.scheduler, *args, **kwargs)
+        self.scheduled = [float(g["lr"]) for g in groups]
+        self._write()
+
+    def _write(self) -> None:
+        for i, g in enumerate(self.optimizer.param_groups):
+            lr = self.scheduled[i] * self.coupling
+            if self.cap_at_peak and self.coupling > 1.0:
+                lr = min(lr, max(self.peak[i], self.scheduled[i]))
+            g["lr"] = _set(g["lr"], lr)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduled_lrs": list(self.scheduled), "owed": self.owed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduled = [float(v) for v in state["scheduled_lrs"]]
+        self.owed = int(state["owed"])
+
+
+def _has_timer(scheduler: Any) -> bool:
+    return isinstance(type(scheduler).__dict__.get("_cbs_timer"), ScheduleTimer)
+
+
+def _set(current: Any, value: float) -> Any:
+    """A param group's new lr; a tensor lr (capturable optimizers) is written in place."""
+    if hasattr(current, "fill_"):
+        current.fill_(value)
+        return current
+    return value
 
 
 # Scheduler attributes that hold learning rates (scaled by apply_lr_factor) and the

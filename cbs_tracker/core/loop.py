@@ -1,0 +1,409 @@
+"""The hand-written training loop's side of the engine: ``microbatch()`` windows and ``step()``.
+
+:class:`LoopTracker` is the base of the plain-loop adapter (``CBSTracker``, which adds
+DDP) and the FSDP2 adapter (``FSDPTracker``); they override where the hooks go,
+which ``.grad`` holds the step gradient, and how gradient sync is switched per
+microbatch. A pending accumulation takes effect at the next window's start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
+from cbs_tracker.core.measure import reduce_window, unscale_and_get_scale
+from cbs_tracker.core.record import StepRecord, Unit
+from cbs_tracker.core.session import TrackingSession, check_size
+
+__all__ = ["LoopTracker"]
+
+
+class LoopTracker:
+    """Measures the gradient noise scale of a hand-written loop and (with a controller) sets its accumulation.
+
+    Args:
+        model: the model as the loop calls it.
+        optimizer: the optimizer (needed for ``preconditioner="adam"``, the LR coupling
+            and the logged LR); may be ``None`` to only measure.
+        accumulation_steps: microbatches per rank in the first window (>= 1).
+        unit: ``"tokens"`` or ``"samples"``: what the sizes given to :meth:`microbatch`
+            count, and the unit of every reported size.
+        ignore_index: label value excluded when counting tokens from ``labels=``.
+        controller: a :class:`~cbs_tracker.policy.controller.BatchSizeController`
+            instance; ``None`` measures only.
+        process_group: the data-parallel group (default: the world, when distributed).
+        device_mesh: alternatively, a ``DeviceMesh`` whose ``mesh_dim`` is data-parallel.
+        mesh_dim: the DP dimension name(s) of ``device_mesh``.
+        loss_divided_by_accumulation: the loop divides each microbatch loss by
+            ``tracker.accumulation_steps`` (default ``True``).
+        grads_averaged_over_ranks: the gradient sync averages over the DP ranks (DDP
+            and FSDP do); ``None`` (default) means yes whenever there is more than one rank.
+        grad_scaler: a ``torch.amp.GradScaler``; :meth:`step` unscales the optimizer's
+            gradients if the loop has not, and removes the scale from the hooked norms.
+        preconditioner: ``None`` (raw gradients) or ``"adam"``: measure
+            ``g / (sqrt(v_hat) + eps)`` with the optimizer's second moments.
+        estimator: a configured :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`.
+        logger: anything with ``log(record: StepRecord)``, e.g. ``TensorBoardLogger``.
+        lr_scheduler: the LR scheduler driving ``optimizer``, sized in optimizer steps at
+            the starting batch. The tracker keeps it on its timing in units seen: each of
+            your ``lr_scheduler.step()`` calls (once per optimizer step, as usual) advances it
+            by the starting-batch steps the optimizer step held, and the learning rate it
+            sets is multiplied by the batch-size coupling.
+        lr_coupling: ``"auto"`` (default: LR x sqrt(B/B0) for Adam-family optimizers,
+            x B/B0 for SGD), ``"keep"``, ``"sqrt"`` or ``"linear"``.
+        cap_lr_at_peak: never let the coupling raise the learning rate above the
+            schedule's peak (default ``False``).
+
+    Raises:
+        ValueError / TypeError: on bad configuration (the message names the argument).
+    """
+
+    #: the big-norm partial of every rank is a shard of the gradient (sum over ranks)
+    #: rather than a replica (take one rank's)
+    big_norm_is_sharded = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        accumulation_steps: int = 2,
+        unit: Unit = "tokens",
+        ignore_index: int = -100,
+        controller: Any | None = None,
+        process_group: Any | None = None,
+        device_mesh: Any | None = None,
+        mesh_dim: str | tuple[str, ...] | None = None,
+        loss_divided_by_accumulation: bool = True,
+        grads_averaged_over_ranks: bool | None = None,
+        grad_scaler: Any | None = None,
+        preconditioner: Literal["adam"] | None = None,
+        estimator: Any | None = None,
+        logger: Any | None = None,
+        lr_scheduler: Any | None = None,
+        lr_coupling: str | None = "auto",
+        cap_lr_at_peak: bool = False,
+    ) -> None:
+        name = type(self).__name__
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{name}(model={type(model).__name__}): expected a torch.nn.Module")
+        if optimizer is not None and not hasattr(optimizer, "param_groups"):
+            raise TypeError(f"{name}(optimizer={type(optimizer).__name__}): expected a torch.optim.Optimizer or None")
+        if preconditioner not in (None, "adam"):
+            raise ValueError(f"{name}(preconditioner={preconditioner!r}): must be None or 'adam'")
+        if preconditioner == "adam" and optimizer is None:
+            raise ValueError(f"{name}(preconditioner='adam', optimizer=None): the Adam preconditioner needs the optimizer")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "unscale_", None)):
+            raise TypeError(f"{name}(grad_scaler={type(grad_scaler).__name__}): expected a torch.amp.GradScaler")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"{name}(ignore_index={ignore_index!r}): expected an int")
+
+        self.model = model
+        self.optimizer = optimizer
+        self.ignore_index = ignore_index
+        self.grad_scaler = grad_scaler
+        self.loss_divided_by_accumulation = bool(loss_divided_by_accumulation)
+        self.dp_group = cbs_dist.resolve_dp_group(process_group, device_mesh, mesh_dim)
+        dp_degree = cbs_dist.group_size(self.dp_group)
+        self.session = TrackingSession(
+            owner=name,
+            unit=unit,
+            starting_accumulation=accumulation_steps,
+            dp_degree=dp_degree,
+            estimator=estimator,
+            controller=controller,
+            optimizer=optimizer,
+            lr_coupling=lr_coupling,
+            cap_lr_at_peak=cap_lr_at_peak,
+            logger=logger,
+        )
+        self._module = self._unwrap(model)
+        self._avg_ranks = self._averaging_ranks(grads_averaged_over_ranks)
+        self._transform = adam_preconditioner(optimizer) if preconditioner == "adam" else None
+        self.collector = GradStatsCollector([], transform=self._transform, register=False)
+        self._window_params: list[nn.Parameter] = []
+        self._register_hooks()
+        if lr_scheduler is not None:
+            self.session.attach_scheduler(lr_scheduler)
+        self._window_index = 0
+        self._window_divisor = self.session.accumulation_steps
+        self._in_microbatch = False
+
+    # ------------------------------------------------------------------ adapter points
+    def _unwrap(self, model: nn.Module) -> nn.Module:
+        """The module whose parameters get the hooks."""
+        return model
+
+    def _averaging_ranks(self, grads_averaged_over_ranks: bool | None) -> int:
+        """Ranks the gradient sync averages over (1: it sums, or one rank)."""
+        if grads_averaged_over_ranks is None:
+            grads_averaged_over_ranks = self.session.dp_degree > 1
+        return self.session.dp_degree if grads_averaged_over_ranks else 1
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self._module.parameters() if p.requires_grad]
+
+    def _register_hooks(self) -> None:
+        """Hook every trainable parameter; refuse a model with none."""
+        params = self._trainable()
+        if not params:
+            raise ValueError(
+                f"{type(self).__name__}(model={type(self.model).__name__}): the model has no parameter with "
+                "requires_grad=True, so there is no gradient to measure"
+            )
+        for p in params:
+            self.collector.hook(p)
+        self._window_params = params
+
+    def _refresh_params(self) -> None:
+        """At a window start: hook parameters that became trainable since (gradual unfreezing).
+
+        The small norms (hooks) and the big norm (``.grad``) then cover the same set: the
+        parameters trainable when the window started.
+        """
+        params = self._trainable()
+        for p in params:
+            self.collector.hook(p)  # once per object
+        self._window_params = params
+
+    def _big_params(self) -> list[nn.Parameter]:
+        """Parameters whose ``.grad`` holds the synced step gradient."""
+        return self._window_params
+
+    def _sync_context(self, last: bool) -> AbstractContextManager[Any]:
+        """Gradient sync for one microbatch (``last``: the window's last one)."""
+        return nullcontext()
+
+    def _skips_sync(self) -> bool:
+        """The adapter skips the gradient sync on all but the last microbatch of a window."""
+        return False
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def unit(self) -> Unit:
+        return self.session.unit
+
+    @property
+    def dp_degree(self) -> int:
+        return self.session.dp_degree
+
+    @property
+    def estimator(self) -> Any:
+        return self.session.estimator
+
+    @property
+    def controller(self) -> Any:
+        return self.session.controller
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Microbatches per rank in the current (or, between windows, the next) window."""
+        if self._window_index == 0 and self.session.pending_accumulation is not None:
+            return self.session.pending_accumulation
+        return self.session.accumulation_steps
+
+    @property
+    def noise_scale(self) -> float | None:
+        """Smoothed ``B_simple`` in :attr:`unit`; ``None`` until measurable."""
+        return self.session.estimator.noise_scale
+
+    @property
+    def noise_scale_interval(self) -> tuple[float, float] | None:
+        """90% confidence interval of :attr:`noise_scale` (``None`` until measurable)."""
+        return getattr(self.session.estimator, "noise_scale_interval", None)
+
+    @property
+    def grad_sq_norm(self) -> float | None:
+        """Smoothed ``|G|^2`` estimate."""
+        return self.session.estimator.grad_sq_norm
+
+    @property
+    def trace_cov(self) -> float | None:
+        """Smoothed ``tr(Sigma)`` estimate (squared-gradient units times :attr:`unit`)."""
+        return self.session.estimator.trace_cov
+
+    @property
+    def global_batch_size(self) -> float | None:
+        """Units in the last optimizer step, over all DP ranks and the window."""
+        return None if self.last_record is None else self.last_record.global_batch
+
+    @property
+    def tokens_seen(self) -> float:
+        """Units (see :attr:`unit`) consumed by all DP ranks so far."""
+        return self.session.units_seen
+
+    @property
+    def starting_batch_steps(self) -> int:
+        """Optimizer steps counted at the starting batch: the position of a step-sized schedule.
+
+        A run with growth that stops when this reaches ``N`` consumed the units of ``N``
+        steps of the constant-batch run.
+        """
+        return self.session.starting_batch_steps
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps recorded so far."""
+        return self.session.step
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        return self.session.last_record
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return self.session.last_stats
+
+    @property
+    def lr_coupling(self) -> float:
+        """The factor the learning rate carries because of the batch growth (1.0 at the start)."""
+        return self.session.coupling
+
+    # ------------------------------------------------------------------ the loop
+    @contextmanager
+    def microbatch(self, size: float | int | torch.Tensor | None = None, *, labels: torch.Tensor | None = None) -> Iterator[None]:
+        """Wrap one microbatch's forward and backward.
+
+        Args:
+            size: units in this microbatch (tokens or samples, per :attr:`unit`): a real
+                number >= 0 or a one-element tensor (kept on the device, checked when the
+                step reduces).
+            labels: alternatively, the labels; tokens are counted as
+                ``labels != ignore_index`` (on the device).
+
+        Raises:
+            TypeError: neither or both of ``size`` and ``labels``; a bool or a tensor of
+                several elements as ``size``.
+            ValueError: a negative or non-finite ``size``.
+            RuntimeError: nested microbatches.
+        """
+        name = type(self).__name__
+        if (size is None) == (labels is None):
+            raise TypeError(
+                f"{name}.microbatch(): pass exactly one of size= (units in this microbatch) or "
+                "labels= (tokens counted as labels != ignore_index)"
+            )
+        if self._in_microbatch:
+            raise RuntimeError(f"{name}.microbatch(): microbatches cannot be nested")
+        if labels is not None:
+            n: float | torch.Tensor = (labels != self.ignore_index).sum()
+        else:
+            n = check_size(size, owner=f"{name}.microbatch")
+        if self._window_index == 0:
+            self._begin_window()
+        last = self._window_index >= self.session.accumulation_steps - 1
+        self._in_microbatch = True
+        self.collector.begin_microbatch()
+        try:
+            with self._sync_context(last):
+                yield
+        finally:
+            self.collector.end_microbatch(n)
+            self._in_microbatch = False
+            self._window_index += 1
+        if getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
+            self.session.warn_once(
+                "no_hook",
+                f"{name}: no gradient reached the tracker during a microbatch: call loss.backward() inside "
+                "`with tracker.microbatch(...)` (and make sure the loss depends on trainable parameters).",
+            )
+
+    def _begin_window(self) -> None:
+        self.session.apply_pending()
+        self._window_divisor = self.session.accumulation_steps
+        self._refresh_params()
+
+    def step(self) -> StepRecord:
+        """Measure the step that just finished its backward passes; call before clipping.
+
+        Reads the synced gradient's squared norm, reduces the window's sums and counts
+        over the DP group in one ``all_reduce`` (every rank, every step), updates the
+        estimate and, with a controller, decides :attr:`accumulation_steps` of the next
+        window. With a ``grad_scaler`` it unscales the gradients first unless the loop
+        already called ``scaler.unscale_(optimizer)``.
+
+        Returns:
+            The step's :class:`~cbs_tracker.core.record.StepRecord`.
+
+        Raises:
+            RuntimeError: inside a microbatch; no microbatch since the last step (on any
+                rank); with several ranks, a window of another size than
+                :attr:`accumulation_steps` (raised on every rank, before the optimizer can
+                step on gradients that were never all-reduced).
+        """
+        name = type(self).__name__
+        if self._in_microbatch:
+            raise RuntimeError(f"{name}.step(): called inside tracker.microbatch()")
+        no_microbatch = f"{name}.step(): no microbatch since the last step; wrap each forward/backward in `with tracker.microbatch(...)`"
+        if self.collector.num_microbatches == 0:
+            if self.session.dp_degree == 1:
+                raise RuntimeError(no_microbatch)
+            # This rank's data ran out: the other ranks already wait in this step's all_reduce,
+            # so take part with zero counts (raising here would hang them).
+            self._begin_window()
+        outside = getattr(self.collector, "hooks_fired_outside", 0)
+        if outside:
+            self.session.warn_once(
+                "outside",
+                f"{name}: gradients arrived outside `with tracker.microbatch(...)` (a backward ran outside "
+                "it); they are in the step's gradient but not in the per-microbatch norms, so the noise "
+                "scale is wrong. Run every backward inside microbatch().",
+            )
+        scale = self._loss_scale()
+        divisor = float(self._window_divisor) if self.loss_divided_by_accumulation else 1.0
+        stats, faults = reduce_window(
+            self.collector,
+            self._big_params(),
+            dp_group=self.dp_group,
+            loss_divisor=divisor,
+            avg_ranks=self._avg_ranks,
+            scale=scale,
+            transform=self._transform,
+            big_norm_is_sharded=self.big_norm_is_sharded,
+            expected_microbatches=self._window_divisor,
+        )
+        self.collector.reset_window()
+        self._window_index = 0
+        if stats.num_microbatches == 0 and stats.units == 0 and not faults.mismatched_ranks:
+            raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
+        return self.session.finish_step(
+            stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()
+        )
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        if self.grad_scaler is None or not getattr(self.grad_scaler, "is_enabled", lambda: True)():
+            return None
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}.step(): grad_scaler= needs optimizer= to unscale the gradients")
+        return unscale_and_get_scale(self.grad_scaler, self.optimizer)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the same run after a restart (plain numbers, versioned)."""
+        return self.session.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (between windows, before the first microbatch).
+
+        Raises:
+            RuntimeError: called inside a window.
+            KeyError / TypeError / ValueError: see
+                :meth:`~cbs_tracker.core.session.TrackingSession.load_state_dict`; on error
+                nothing is changed.
+        """
+        if self._window_index != 0:
+            raise RuntimeError(f"{type(self).__name__}.load_state_dict: call it between windows, not inside one")
+        self.session.load_state_dict(state)
+        self._window_divisor = self.session.accumulation_steps
+
+    def remove_hooks(self) -> None:
+        """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
+        self.collector.remove()
+        self.session.detach_scheduler()
+

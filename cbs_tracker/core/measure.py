@@ -1,0 +1,142 @@
+"""One optimizer step's gradient norms on one scale, reduced over the data-parallel group.
+
+The torch-facing half of the step engine: :func:`reduce_window` turns a
+collector's per-microbatch norms and the synced ``.grad`` into host numbers
+(:class:`~cbs_tracker.core.collector.StepStats`) with one ``all_reduce`` and one
+host sync per optimizer step; :func:`unscale_and_get_scale` handles AMP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.collector import (
+    GradStatsCollector,
+    GradTransform,
+    StepStats,
+    local_grad_sq_norm,
+)
+
+__all__ = ["WindowFaults", "reduce_window", "unscale_and_get_scale"]
+
+
+def unscale_and_get_scale(grad_scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Unscale ``optimizer``'s gradients unless the loop already did; return the loss scale (0-d tensor).
+
+    The scale is the one the backward passes of this window used (``update()`` runs
+    after the optimizer step), read without a host sync where torch allows.
+    """
+    states = getattr(grad_scaler, "_per_optimizer_states", {})
+    stage = states.get(id(optimizer), {}).get("stage")
+    if stage is None or getattr(stage, "name", "") == "READY":
+        grad_scaler.unscale_(optimizer)
+    get_async = getattr(grad_scaler, "_get_scale_async", None)
+    scale = get_async() if get_async is not None else None
+    if scale is None:
+        scale = torch.tensor(float(grad_scaler.get_scale()))
+    return scale
+
+
+@dataclass(frozen=True)
+class WindowFaults:
+    """What the step's reduction found wrong, summed over the DP group (identical on every rank).
+
+    Attributes:
+        mismatched_ranks: ranks whose window ran a number of microbatches other than
+            the one expected (0 when no expectation was given).
+        invalid_sizes: microbatch sizes that were negative or not finite.
+    """
+
+    mismatched_ranks: int = 0
+    invalid_sizes: int = 0
+
+
+def reduce_window(
+    collector: GradStatsCollector,
+    big_params: Iterable[nn.Parameter],
+    *,
+    dp_group: Any | None,
+    loss_divisor: float,
+    avg_ranks: int,
+    scale: torch.Tensor | None = None,
+    transform: GradTransform | None = None,
+    big_norm_is_sharded: bool = False,
+    expected_microbatches: int | None = None,
+) -> tuple[StepStats, WindowFaults]:
+    """One optimizer step's norms on one scale, reduced over the DP group.
+
+    The hooked microbatch gradients are ``h_k = S g_k / a`` (``S`` the AMP loss scale,
+    ``a = loss_divisor`` the factor each microbatch loss was divided by) and the
+    synced, unscaled ``.grad`` is ``sum_k g_k / (a R)`` over the ``K`` microbatches of
+    all ranks (``R = avg_ranks`` when the sync averages). So
+    ``|g_k|^2 = |h_k|^2 a^2 / S^2`` and ``|mean_k g_k|^2 = |.grad|^2 (R a / K)^2``, with
+    ``K`` the microbatches really run (a short window is measured with its real size).
+    One ``all_reduce`` of 9 float64 numbers and one host sync.
+
+    Args:
+        collector: the window's per-microbatch norms (not reset here).
+        big_params: parameters whose ``.grad`` holds the synced, unscaled step gradient.
+        dp_group: the data-parallel group (``None``: world, or no distribution).
+        loss_divisor: ``a`` (1.0: not divided).
+        avg_ranks: ``R``, ranks the gradient sync averages over (1: it sums, or one rank).
+        scale: the AMP loss scale the hooked gradients carry (``None``: none).
+        transform: the collector's gradient transform, applied to ``.grad`` as well.
+        big_norm_is_sharded: every rank's ``.grad`` is a shard (sum the partial norms)
+            rather than a replica (take rank 0's).
+        expected_microbatches: microbatches this rank's window should have run; a rank
+            that ran another non-zero number is counted in ``WindowFaults.mismatched_ranks``.
+
+    Returns:
+        The reduced :class:`~cbs_tracker.core.collector.StepStats` and :class:`WindowFaults`.
+    """
+    big = local_grad_sq_norm(big_params, transform)
+    ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
+    device = cbs_dist.reduction_device(dp_group, ref.device)
+    sums = collector.window_sums(device)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    invalid = sums[4] if sums.numel() > 4 else zero
+    small_sum = sums[0]
+    if scale is not None:
+        small_sum = small_sum / scale.to(device).double().square()
+    small_sum = small_sum * float(loss_divisor) ** 2
+    unmeasurable = collector.window_unmeasurable or (big is None and transform is not None)
+    big_val = zero if big is None else big.to(device).double()
+    contributes = big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0
+    if not contributes:
+        big_val = torch.zeros_like(big_val)
+    finite = torch.isfinite(small_sum) & torch.isfinite(big_val)
+    local_k = collector.num_microbatches
+    mismatch = expected_microbatches is not None and local_k not in (0, expected_microbatches)
+    vec = torch.stack(
+        [
+            torch.where(finite, small_sum, zero),
+            sums[1],
+            sums[2],
+            sums[3],
+            torch.where(finite, big_val, zero),
+            (~finite).double(),
+            torch.tensor(float(unmeasurable), dtype=torch.float64, device=device),
+            torch.tensor(float(mismatch), dtype=torch.float64, device=device),
+            invalid.to(device).double(),
+        ]
+    )
+    vec = cbs_dist.all_reduce_sum(vec, dp_group)
+    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad = vec.tolist()  # one host sync
+    k = int(round(count))
+    big_sq = big_total * (avg_ranks * float(loss_divisor) / max(k, 1)) ** 2
+    stats = StepStats(
+        small_sq_norm=small_total / max(k, 1),
+        big_sq_norm=big_sq,
+        num_microbatches=k,
+        small_batch=(k / inv_sum) if inv_sum > 0 else 0.0,
+        units=units,
+        finite=nonfinite == 0 and unmeas == 0 and math.isfinite(big_sq),
+    )
+    return stats, WindowFaults(mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)))

@@ -1,0 +1,554 @@
+"""The step engine under every adapter: counters, estimate, decision, LR coupling, record, state.
+
+An adapter (plain loop, Lightning, FSDP2, Hugging Face) places the hooks, reads
+the big norm through :func:`~cbs_tracker.core.measure.reduce_window`, hands the
+result to :meth:`TrackingSession.finish_step`, and decides **when** a pending
+accumulation takes effect (:meth:`TrackingSession.apply_pending`). Everything
+else is here, once. See docs/design.md ("Architecture").
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any
+
+from cbs_tracker.core.collector import StepStats
+from cbs_tracker.core.estimator import NoiseScaleEstimator
+from cbs_tracker.core.measure import WindowFaults
+from cbs_tracker.core.record import StepRecord, Unit
+from cbs_tracker.policy.lr import ScheduleTimer, coupling_factor, resolve_coupling
+
+__all__ = ["SESSION_STATE_VERSION", "TrackingSession", "check_size"]
+
+#: version of :meth:`TrackingSession.state_dict`; 1 was the format of the first release
+#: (read too: it lacks the LR and schedule keys, which then start fresh).
+SESSION_STATE_VERSION = 2
+
+# measured steps before the averaged-norm sanity checks may warn
+_SANITY_STEPS = 20
+
+
+def check_size(size: Any, *, owner: str) -> float | Any:
+    """Validate a microbatch size: a real number >= 0 or a one-element tensor (checked later, on device).
+
+    Returns the size as a float, or the tensor reshaped to 0-d (no host sync).
+
+    Raises:
+        TypeError: a bool, a non-number, or a tensor with more than one element.
+        ValueError: a negative or non-finite number.
+    """
+    if isinstance(size, bool) or (hasattr(size, "dtype") and str(getattr(size, "dtype", "")) == "bool"):
+        raise TypeError(f"{owner}(size={size!r}): a bool is not a size; pass the number of units")
+    if hasattr(size, "numel") and hasattr(size, "reshape"):  # a tensor: checked on device when the step reduces
+        if size.numel() != 1:
+            raise TypeError(
+                f"{owner}(size=<tensor of shape {tuple(size.shape)}>): expected a number or a one-element "
+                "tensor (for labels, pass labels= to count the tokens)"
+            )
+        return size.reshape(())
+    if isinstance(size, numbers.Real):
+        value = float(size)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{owner}(size={size!r}): must be a finite number >= 0")
+        return value
+    raise TypeError(f"{owner}(size={size!r}): expected a real number or a one-element tensor")
+
+
+class TrackingSession:
+    """Framework-free bookkeeping of one tracked run, shared by every adapter.
+
+    Args:
+        owner: the adapter's name, used in messages (``"CBSTracker"``, ``"CBSCallback"``...).
+        unit: ``"tokens"`` or ``"samples"``: the unit of every size.
+        starting_accumulation: microbatches per rank of the first window (``A0``).
+        dp_degree: data-parallel ranks.
+        estimator: the noise-scale estimator (default: a new ``NoiseScaleEstimator``).
+        controller: a ``BatchSizeController`` instance or ``None`` (measure only).
+        optimizer: the optimizer whose learning rate the coupling scales (may be ``None``).
+        lr_coupling: ``"auto"`` (default: ``sqrt`` for Adam-family optimizers, ``linear``
+            for SGD), ``"keep"``, ``"sqrt"`` or ``"linear"``; a controller built with an
+            explicit ``lr_scaling`` overrides ``"auto"``.
+        cap_lr_at_peak: never let the coupling raise the learning rate above the
+            schedule's peak (the param group's ``initial_lr``/``max_lr``).
+        logger: anything with ``log(record)``.
+        warn: ``fn(message)`` for user warnings (rank-zero aware in Lightning).
+
+    Raises:
+        TypeError / ValueError: on bad configuration (the message names the argument).
+    """
+
+    def __init__(
+        self,
+        *,
+        owner: str,
+        unit: Unit,
+        starting_accumulation: int,
+        dp_degree: int = 1,
+        estimator: Any | None = None,
+        controller: Any | None = None,
+        optimizer: Any | None = None,
+        lr_coupling: str | None = "auto",
+        cap_lr_at_peak: bool = False,
+        logger: Any | None = None,
+        warn: Any | None = None,
+    ) -> None:
+        if unit not in ("tokens", "samples"):
+            raise ValueError(f"{owner}(unit={unit!r}): must be 'tokens' or 'samples'")
+        if (
+            isinstance(starting_accumulation, bool)
+            or not isinstance(starting_accumulation, numbers.Integral)
+            or starting_accumulation < 1
+        ):
+            raise ValueError(f"{owner}(accumulation_steps={starting_accumulation!r}): must be an integer >= 1")
+        if isinstance(controller, type):
+            raise TypeError(
+                f"{owner}(controller={controller.__name__}): pass an instance, e.g. "
+                f"controller={controller.__name__}(), not the class"
+            )
+        if controller is not None and not all(
+            callable(getattr(controller, m, None)) for m in ("update", "state_dict", "load_state_dict")
+        ):
+            raise TypeError(
+                f"{owner}(controller={type(controller).__name__}): expected a BatchSizeController "
+                "(an object with update(...), state_dict() and load_state_dict()) or None"
+            )
+        if isinstance(estimator, type):
+            raise TypeError(f"{owner}(estimator={estimator.__name__}): pass an instance, not the class")
+        if estimator is not None and not all(
+            callable(getattr(estimator, m, None)) for m in ("update", "state_dict", "load_state_dict")
+        ):
+            raise TypeError(
+                f"{owner}(estimator={type(estimator).__name__}): expected a NoiseScaleEstimator or None"
+            )
+        if logger is not None and not callable(getattr(logger, "log", None)):
+            raise TypeError(f"{owner}(logger={type(logger).__name__}): expected an object with log(record)")
+        if not isinstance(cap_lr_at_peak, bool):
+            raise TypeError(f"{owner}(cap_lr_at_peak={cap_lr_at_peak!r}): expected True or False")
+        configured = getattr(controller, "lr_scaling", None)
+        if lr_coupling in (None, "auto") and configured is not None:
+            lr_coupling = configured  # an explicit controller setting wins over "auto"
+        self.owner = owner
+        self.unit: Unit = unit
+        self.starting_accumulation = int(starting_accumulation)
+        self.dp_degree = int(dp_degree)
+        self.estimator = estimator if estimator is not None else NoiseScaleEstimator()
+        self.controller = controller
+        self.optimizer = optimizer
+        self.coupling_mode = resolve_coupling(lr_coupling, optimizer, owner=owner)
+        self.cap_lr_at_peak = cap_lr_at_peak
+        self.logger = logger
+        self._warn_fn = warn
+        self.timer: ScheduleTimer | None = None
+        self._pending_schedule_state: dict[str, Any] | None = None
+
+        self.step = 0
+        self.units_seen = 0.0
+        self.starting_batch_steps = 0
+        self.accumulation_steps = self.starting_accumulation
+        self.pending_accumulation: int | None = None
+        self.coupling = 1.0
+        self.last_record: StepRecord | None = None
+        self.last_stats: StepStats | None = None
+        self.last_decision: Any | None = None
+        self._warned: set[str] = set()
+        self._sanity = [0, 0.0, 0.0, 0.0]  # measured steps, sum small, sum big, sum K
+
+    # ------------------------------------------------------------------ warnings
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn ``message`` the first time ``key`` is seen (saved with the state)."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if self._warn_fn is not None:
+            self._warn_fn(message)
+        else:
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ learning rate
+    def attach_scheduler(self, scheduler: Any) -> None:
+        """Time ``scheduler`` (sized in optimizer steps at the starting batch) in units seen.
+
+        From now on each of its ``step()`` calls advances it by the starting-batch steps
+        of the optimizer steps since the last call, and the learning rate it sets is
+        multiplied by the coupling. See :class:`~cbs_tracker.policy.lr.ScheduleTimer`.
+        """
+        if self.optimizer is None:
+            raise ValueError(f"{self.owner}(lr_scheduler=...): a scheduler needs optimizer= as well")
+        self.timer = ScheduleTimer(scheduler, self.optimizer, owner=self.owner, cap_at_peak=self.cap_lr_at_peak)
+        self.timer.coupling = self.coupling
+        if self._pending_schedule_state is not None:
+            # restored before the scheduler was attached (Lightning loads callbacks first)
+            self.timer.load_state_dict(self._pending_schedule_state)
+            self._pending_schedule_state = None
+        elif self.coupling != 1.0:
+            # the groups hold the coupled value; the schedule's own is that over the coupling
+            self.timer.scheduled = [v / self.coupling for v in self.timer.scheduled]
+
+    def detach_scheduler(self) -> None:
+        if self.timer is not None:
+            self.timer.detach()
+            self.timer = None
+
+    def scheduled_lr(self) -> float | None:
+        """The first param group's learning rate as the schedule sets it, before the coupling."""
+        if self.timer is not None:
+            return self.timer.scheduled[0] if self.timer.scheduled else None
+        if self.optimizer is None or not self.optimizer.param_groups:
+            return None
+        return float(self.optimizer.param_groups[0]["lr"]) / self.coupling
+
+    def _set_coupling(self, factor: float) -> None:
+        old, self.coupling = self.coupling, float(factor)
+        if self.optimizer is None or old == self.coupling:
+            return
+        if self.timer is not None:
+            self.timer.set_coupling(self.coupling)
+            return
+        from cbs_tracker.policy.lr import apply_lr_factor
+
+        lr_now = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer.param_groups else 0.0
+        ratio = self.coupling / old
+        if self.cap_lr_at_peak and ratio > 1.0 and self.optimizer.param_groups:
+            group = self.optimizer.param_groups[0]
+            peak = float(group.get("max_lr", group.get("initial_lr", lr_now / old)))
+            ratio = min(ratio, max(1.0, peak / lr_now)) if lr_now > 0 else ratio
+        apply_lr_factor(self.optimizer, ratio)
+
+    # ------------------------------------------------------------------ the step
+    def finish_step(
+        self,
+        stats: StepStats,
+        faults: WindowFaults | None = None,
+        *,
+        window_accumulation: int,
+        lr: float | None = None,
+        estimate_allowed: bool = True,
+        mismatch_is_fatal: bool = False,
+    ) -> StepRecord:
+        """Count, estimate, decide and record one optimizer step.
+
+        Args:
+            stats: the step's reduced norms (identical on every rank).
+            faults: what the reduction found wrong; a mismatched window raises on a
+                multi-rank run (before the optimizer can step on unsynced gradients).
+            window_accumulation: microbatches per rank the window was set to run.
+            lr: the learning rate the step used (default: the first param group's).
+            estimate_allowed: ``False`` keeps this step out of the estimate (the adapter
+                found it unmeasurable, e.g. mixed ``1/A`` factors).
+            mismatch_is_fatal: the adapter skips the gradient sync on all but the window's
+                last microbatch (DDP ``no_sync``, FSDP2), so a window of another size than
+                set leaves gradients that were never all-reduced.
+
+        Raises:
+            RuntimeError: a rank ran a window of another size than the tracker set
+                (multi-rank), or a microbatch size was negative or not finite.
+        """
+        faults = faults or WindowFaults()
+        if faults.invalid_sizes:
+            raise ValueError(
+                f"{self.owner}: {faults.invalid_sizes} microbatch size(s) of this step were negative or not "
+                "finite (size= must be a number >= 0; labels= counts labels != ignore_index)"
+            )
+        if faults.mismatched_ranks:
+            per_rank = stats.num_microbatches / max(self.dp_degree, 1)
+            message = (
+                f"{self.owner}: the window ran {per_rank:g} microbatches per rank on average but the tracker set "
+                f"accumulation_steps={window_accumulation}. Run exactly `tracker.accumulation_steps` "
+                "microbatches between two optimizer steps (it changes when the batch grows)."
+            )
+            if mismatch_is_fatal and self.dp_degree > 1:
+                raise RuntimeError(
+                    message + " With several data-parallel ranks the gradients of this window were not "
+                    "all-reduced (no_sync), so stepping now would make the replicas diverge; stopped."
+                )
+            self.warn_once("window_mismatch", message + " This step is measured with the microbatches it ran.")
+        k_per_rank = stats.num_microbatches / max(self.dp_degree, 1)
+        # one process that ran another window than set: record what it ran
+        ran = stats.num_microbatches if faults.mismatched_ranks and self.dp_degree == 1 else None
+        self.step += 1
+        self.units_seen += stats.units
+        # the schedule position: starting-batch steps this optimizer step held
+        held = max(1, math.ceil(k_per_rank / self.starting_accumulation - 1e-9)) if k_per_rank > 0 else 1
+        self.starting_batch_steps += held
+        if self.timer is not None:
+            self.timer.owe(held)
+        self.last_stats = stats
+
+        estimate = None
+        measurable = estimate_allowed and stats.finite and stats.num_microbatches >= 2 and stats.small_batch > 0
+        if measurable and stats.units > 0:
+            estimate = self.estimator.update(
+                stats.small_sq_norm, stats.big_sq_norm, stats.small_batch, stats.big_batch, stats.units
+            )
+            self._check_sanity(stats)
+        elif stats.finite and stats.num_microbatches < 2 and stats.units > 0:
+            self.warn_once(
+                "single_microbatch",
+                f"{self.owner}: each optimizer step has a single microbatch (accumulation_steps=1 on one "
+                "data-parallel rank), so there is no second batch size and the noise scale is not measured "
+                "(nor the batch grown). Use 2 or more microbatches per step (e.g. halve the microbatch and "
+                "double the accumulation) or more data-parallel ranks.",
+            )
+
+        interval = getattr(self.estimator, "noise_scale_interval", None)
+        low, high = interval if interval is not None else (None, None)
+        critical = None
+        changed = False
+        if self.controller is not None and stats.units > 0:
+            decision = self.controller.update(
+                step=self.step,
+                tokens_seen=self.units_seen,
+                global_batch=stats.units,
+                accumulation_steps=int(window_accumulation),
+                noise_scale=self.estimator.noise_scale,
+                **self._optional_update_kwargs(low, high),
+            )
+            self.last_decision = decision
+            critical = decision.critical_batch
+            if decision.changed and not getattr(self.controller, "observe_only", False):
+                new = int(decision.accumulation_steps)
+                if new != self.accumulation_steps:
+                    self.pending_accumulation = new
+                    changed = True
+                else:
+                    self.pending_accumulation = None
+
+        if lr is None and self.optimizer is not None and self.optimizer.param_groups:
+            lr = float(self.optimizer.param_groups[0]["lr"])
+        record = StepRecord(
+            step=self.step,
+            tokens_seen=self.units_seen,
+            unit=self.unit,
+            global_batch=stats.units,
+            micro_batch=stats.units / max(stats.num_microbatches, 1),
+            accumulation_steps=ran if ran is not None else int(window_accumulation),
+            dp_degree=self.dp_degree,
+            grad_sq_norm=self.estimator.grad_sq_norm,
+            trace_cov=self.estimator.trace_cov,
+            noise_scale=self.estimator.noise_scale,
+            critical_batch=critical,
+            lr=lr,
+            step_grad_sq_norm=None if estimate is None or estimate.step is None else estimate.step.grad_sq_norm,
+            step_trace_cov=None if estimate is None or estimate.step is None else estimate.step.trace_cov,
+            dropped=not stats.finite,
+            next_accumulation_steps=(
+                self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
+            ),
+            noise_scale_low=low,
+            noise_scale_high=high,
+            scheduled_lr=None if lr is None else lr / self.coupling,
+            lr_coupling=self.coupling if self.optimizer is not None else None,
+            lr_conversions=getattr(self.last_decision, "lr_conversions", None),
+        )
+        self.last_record = record
+        self.changed_this_step = changed
+        if self.logger is not None:
+            self.logger.log(record)
+        return record
+
+    def _optional_update_kwargs(self, low: float | None, high: float | None) -> dict[str, Any]:
+        """Keyword arguments newer controllers accept (older ones and user doubles may not)."""
+        import inspect
+
+        try:
+            params = inspect.signature(self.controller.update).parameters
+        except (TypeError, ValueError):
+            return {}
+        out: dict[str, Any] = {}
+        accepts_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for name, value in (("scheduled_lr", self.scheduled_lr()), ("noise_scale_low", low), ("noise_scale_high", high)):
+            if accepts_all or name in params:
+                out[name] = value
+        return out
+
+    def _check_sanity(self, stats: StepStats) -> None:
+        """Warn once when the averaged norms say the big norm is not the mean of the small ones."""
+        s = self._sanity
+        s[0] += 1
+        s[1] += stats.small_sq_norm
+        s[2] += stats.big_sq_norm
+        s[3] += stats.num_microbatches
+        if s[0] < _SANITY_STEPS:
+            return
+        k_mean = s[3] / s[0]
+        # E|g_k|^2 = |G|^2 + tr/b and E|mean_k g_k|^2 = |G|^2 + tr/(K b): their ratio is at most K.
+        if s[2] <= 0 or s[1] > 2.0 * k_mean * s[2]:
+            self.warn_once(
+                "norm_mismatch",
+                f"{self.owner}: over {s[0]} steps the per-microbatch gradients were {s[1] / max(s[2], 1e-300):.3g}x "
+                f"larger (squared) than the step's gradient, where at most {k_mean:.3g}x is possible. The step "
+                "gradient was probably read after clipping or zero_grad() (call tracker.step() right after the "
+                "last backward, before clipping), or the loss scale of a GradScaler is in the per-microbatch "
+                "gradients (pass grad_scaler=). The noise scale is not meaningful.",
+            )
+        grad_sq = self.estimator.grad_sq_norm
+        if grad_sq is not None and grad_sq <= 0 and s[0] >= 5 * _SANITY_STEPS:
+            self.warn_once(
+                "nonpositive",
+                f"{self.owner}: after {s[0]} measured steps the averaged |G|^2 is still {grad_sq:.3g} <= 0, so no "
+                "noise scale is reported. Either the gradient noise dominates completely (a larger batch or a "
+                "longer horizon is needed), or the norms are read wrongly (clipping or zero_grad() before "
+                "tracker.step(), a GradScaler not passed).",
+            )
+
+    # ------------------------------------------------------------------ growth
+    def apply_pending(self) -> int | None:
+        """Make the pending accumulation the current one (the adapter calls this when it is safe).
+
+        Applies the learning-rate coupling of the new batch. Returns the new value, or
+        ``None`` when nothing was pending.
+        """
+        new = self.pending_accumulation
+        if new is None:
+            return None
+        self.pending_accumulation = None
+        self.accumulation_steps = int(new)
+        self._set_coupling(coupling_factor(self.coupling_mode, new / self.starting_accumulation))
+        return new
+
+    def limit_accumulation(self, cap: int, reason: str) -> None:
+        """Never grow beyond ``cap`` microbatches per rank (tells the controller, says why once)."""
+        if self.controller is None or getattr(self.controller, "observe_only", False):
+            return
+        current = getattr(self.controller, "max_accumulation_steps", None)
+        if current is None or current > cap:
+            try:
+                self.controller.max_accumulation_steps = int(cap)
+            except AttributeError:
+                return
+            self.warn_once("accumulation_cap", f"{self.owner}: growth is capped at accumulation {cap}: {reason}")
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers and a version: everything needed to continue the same run."""
+        return {
+            "version": SESSION_STATE_VERSION,
+            "unit": self.unit,
+            "dp_degree": self.dp_degree,
+            "step": self.step,
+            "tokens_seen": self.units_seen,
+            "starting_batch_steps": self.starting_batch_steps,
+            "starting_accumulation": self.starting_accumulation,
+            "accumulation_steps": self.accumulation_steps,
+            "pending_accumulation_steps": 0 if self.pending_accumulation is None else self.pending_accumulation,
+            "lr_coupling": self.coupling,
+            "schedule": None if self.timer is None else self.timer.state_dict(),
+            "warned": sorted(self._warned),
+            "estimator": self.estimator.state_dict(),
+            "controller": None if self.controller is None else self.controller.state_dict(),
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict` output; validates everything before changing anything.
+
+        Raises:
+            TypeError: ``state`` is not a mapping, or a value has the wrong type.
+            KeyError: a required key is missing.
+            ValueError: unknown version, another unit or data-parallel degree, or a value
+                out of range. On any error the session (and its estimator and controller)
+                is left as it was.
+        """
+        where = f"{self.owner}.load_state_dict"
+        if not isinstance(state, dict):
+            raise TypeError(f"{where}: expected the dict from state_dict(), got {type(state).__name__}")
+        required = ("version", "step", "tokens_seen", "accumulation_steps", "dp_degree", "estimator")
+        missing = [k for k in required if k not in state]
+        if missing:
+            raise KeyError(f"{where}: missing keys {missing}")
+        version = state["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version not in (1, SESSION_STATE_VERSION):
+            raise ValueError(
+                f"{where}: state version {version!r} is not one this cbs-tracker reads (1 or "
+                f"{SESSION_STATE_VERSION}); a newer one needs a newer cbs-tracker"
+            )
+        unit = state.get("unit", self.unit)
+        if unit != self.unit:
+            raise ValueError(
+                f"{where}: the checkpoint counts {unit!r} but this run counts {self.unit!r} (unit=); "
+                "the noise scale and batch sizes would mix units"
+            )
+        dp = _int(state, "dp_degree", where, minimum=1)
+        if dp != self.dp_degree:
+            raise ValueError(
+                f"{where}: the checkpoint was taken with dp_degree={dp} but this run has "
+                f"dp_degree={self.dp_degree}; accumulation_steps={state['accumulation_steps']!r} would give a "
+                "different global batch. Resume with the same number of data-parallel ranks."
+            )
+        step = _int(state, "step", where, minimum=0)
+        seen = _float(state, "tokens_seen", where, minimum=0.0)
+        accumulation = _int(state, "accumulation_steps", where, minimum=1)
+        pending = _int(state, "pending_accumulation_steps", where, minimum=0, default=0)
+        start = _int(state, "starting_accumulation", where, minimum=1, default=self.starting_accumulation)
+        sb_steps = _int(state, "starting_batch_steps", where, minimum=0, default=step)
+        coupling = _float(state, "lr_coupling", where, minimum=0.0, default=1.0, positive=True)
+        if "pending_lr_factor" in state:  # version 1: a factor waiting for the next window
+            _float(state, "pending_lr_factor", where, minimum=0.0, positive=True)
+        warned = state.get("warned", ["single_microbatch"] if state.get("warned_single") else [])
+        if not isinstance(warned, (list, tuple)) or not all(isinstance(w, str) for w in warned):
+            raise TypeError(f"{where}: 'warned' must be a list of str, got {warned!r}")
+        schedule = state.get("schedule")
+        if schedule is not None:
+            if not isinstance(schedule, dict) or not isinstance(schedule.get("scheduled_lrs"), (list, tuple)):
+                raise TypeError(f"{where}: 'schedule' must be None or a dict with 'scheduled_lrs', got {schedule!r}")
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in schedule["scheduled_lrs"]):
+                raise ValueError(f"{where}: 'schedule.scheduled_lrs' must hold finite numbers >= 0")
+            _int(schedule, "owed", where + " schedule", minimum=0)
+        # nested parts: validate and load atomically (restore both on failure)
+        est_before = self.estimator.state_dict()
+        ctl_before = None if self.controller is None else self.controller.state_dict()
+        try:
+            self.estimator.load_state_dict(state["estimator"])
+            if self.controller is not None and state.get("controller") is not None:
+                self.controller.load_state_dict(state["controller"])
+        except Exception:
+            self.estimator.load_state_dict(est_before)
+            if self.controller is not None and ctl_before is not None:
+                self.controller.load_state_dict(ctl_before)
+            raise
+        self.step = step
+        self.units_seen = seen
+        self.starting_batch_steps = sb_steps
+        self.starting_accumulation = start
+        self.accumulation_steps = accumulation
+        self.pending_accumulation = pending if pending > 0 else None
+        self.coupling = coupling
+        self._warned = set(warned)
+        if self.timer is not None:
+            self.timer.coupling = coupling
+            if schedule is not None:
+                self.timer.load_state_dict(schedule)
+        else:
+            self._pending_schedule_state = schedule
+
+
+def _int(state: Any, key: str, where: str, *, minimum: int, default: int | None = None) -> int:
+    if key not in state:
+        if default is None:
+            raise KeyError(f"{where}: missing key {key!r}")
+        return default
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {key!r} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}: {key!r} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _float(
+    state: Any, key: str, where: str, *, minimum: float, default: float | None = None, positive: bool = False
+) -> float:
+    if key not in state:
+        if default is None:
+            raise KeyError(f"{where}: missing key {key!r}")
+        return default
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {key!r} must be a number, got {value!r}")
+    value = float(value)
+    bad = not math.isfinite(value) or value < minimum or (positive and value <= 0)
+    if bad:
+        what = "> 0" if positive else f">= {minimum}"
+        raise ValueError(f"{where}: {key!r} must be a finite number {what}, got {state[key]!r}")
+    return value
