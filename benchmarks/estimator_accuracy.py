@@ -90,9 +90,8 @@ def run_seed(b: int, k: int, clip: bool, seed: int, steps: int, **estimator_kwar
     half = steps // 2
     reported = []
     for i, (s, g) in enumerate(zip(small.tolist(), big.tolist())):
-        est.update(s, g, float(b), float(k * b))
+        ns = est.update(s, g, float(b), float(k * b)).noise_scale
         if i >= half:
-            ns = est.noise_scale
             reported.append(math.nan if ns is None else ns)
     interval = est.noise_scale_interval or (math.nan, math.nan)
     final = est.noise_scale

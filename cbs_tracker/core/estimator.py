@@ -170,7 +170,8 @@ class NoiseScaleEstimator:
     ``alpha = 1 - exp(-n / H)`` (``H``, the horizon, in units): the memory is the
     same per token whatever the batch. Startup bias is removed by dividing by
     ``1 - prod(1 - alpha)`` (as in Adam); the result is ``B = T / G`` with ``T``, ``G``
-    the averaged ``tr(Sigma)`` and ``|G|^2`` estimates, in the unit of the sizes.
+    the averaged ``tr(Sigma)`` and ``|G|^2`` estimates, in the unit of the sizes,
+    corrected to second order for the bias of a ratio (see :attr:`noise_scale`).
 
     **Interval.** The per-step weights ``w_t`` of the averages are known, so the
     variances of ``T``, ``G`` and their covariance are estimated from the spread
@@ -316,20 +317,19 @@ class NoiseScaleEstimator:
     def noise_scale(self) -> float | None:
         """``B_simple`` in the unit of the sizes given, or ``None`` when not supported yet.
 
-        ``None`` until ``min_steps`` steps were averaged and while the averaged
-        ``|G|^2`` is not positive; a negative averaged ``tr(Sigma)`` reads as 0.
+        The ratio ``T / G`` of the two averages with Beale's second-order bias
+        correction, ``(T / G) (1 + cov(T, G) / (T G)) / (1 + var(G) / G^2)``: a
+        ratio whose denominator is noisy is biased upwards by about ``var(G) / G^2``
+        (a few percent when microbatches are far below the noise scale). It is
+        kept inside :attr:`noise_scale_interval`, so while ``G`` is not
+        distinguishable from 0 it reads as the interval's lower end, the smallest
+        value the data support. When the averages are precise it equals
+        ``trace_cov / grad_sq_norm``. ``None`` until ``min_steps`` steps were
+        averaged and while the averaged ``|G|^2`` is not positive; a negative
+        averaged ``tr(Sigma)`` reads as 0.
         """
-        g, t = self.grad_sq_norm, self.trace_cov
-        if g is None or t is None or self._steps < self.min_steps or not g > 0:
-            return None
-        return max(t, 0.0) / g
-
-    @property
-    def effective_steps(self) -> float:
-        """``1 / sum w_s^2`` of the normalised weights: steps an equal-weight mean would hold."""
-        if self._steps == 0 or self._w2 <= 0:
-            return 0.0
-        return (1.0 - self._keep) ** 2 / self._w2
+        estimate = self._estimate()
+        return None if estimate is None else estimate[0]
 
     @property
     def noise_scale_interval(self) -> tuple[float, float] | None:
@@ -341,31 +341,58 @@ class NoiseScaleEstimator:
         ``(0.0, inf)`` while too little is known (one effective step, or a state
         restored from a version without second moments that still weighs).
         """
-        ratio = self.noise_scale
-        if ratio is None:
+        estimate = self._estimate()
+        return None if estimate is None else estimate[1]
+
+    @property
+    def effective_steps(self) -> float:
+        """``1 / sum w_s^2`` of the normalised weights: steps an equal-weight mean would hold."""
+        if self._steps == 0 or self._w2 <= 0:
+            return 0.0
+        return (1.0 - self._keep) ** 2 / self._w2
+
+    def _estimate(self) -> tuple[float, tuple[float, float]] | None:
+        """``(noise_scale, interval)``, or ``None`` while not supported."""
+        g, t = self.grad_sq_norm, self.trace_cov
+        if g is None or t is None or self._steps < self.min_steps or not g > 0:
             return None
+        moments = self._moments()
+        if moments is None:
+            return max(t, 0.0) / g, (0.0, math.inf)
+        _, _, n_eff, v_gg, v_tt, v_gt = moments
+        low, high = fieller_interval(t, g, v_tt, v_gg, v_gt, _student_quantile(n_eff - 1.0))
+        if not t > 0:
+            return 0.0, (low, high)
+        ratio = t / g * max(1.0 + v_gt / (t * g), 0.0) / (1.0 + v_gg / (g * g))
+        return min(max(ratio, low), high), (low, high)
+
+    def _moments(self) -> tuple[float, float, float, float, float, float] | None:
+        """``(G, T, n_eff, var G, var T, cov)`` of the averages, or ``None`` while unknown.
+
+        Variances of the means: ``sum w_s^2 (x_s - mean_x)(y_s - mean_y)``, times
+        ``n/(n-1)`` against the shrinkage of residuals taken around fitted means.
+        Unknown with one effective step or while steps without second moments (a
+        version-1 state) hold more than 5% of the weight.
+        """
         norm = 1.0 - self._keep
-        uncovered = (self._moments_keep - self._keep) / norm
         n_eff = self.effective_steps
-        if uncovered > _MAX_UNCOVERED_WEIGHT or not n_eff > 1.0:
-            return (0.0, math.inf)
+        if (self._moments_keep - self._keep) / norm > _MAX_UNCOVERED_WEIGHT or not n_eff > 1.0:
+            return None
         g, t = self._ema_grad_sq / norm, self._ema_trace / norm
-        # Variances of the means: sum w_s^2 (x_s - mean_x)(y_s - mean_y), with n/(n-1)
-        # against the shrinkage of residuals taken around fitted means.
         scale = n_eff / (n_eff - 1.0) / norm**2
         v_gg = max(self._q_gg - 2 * g * self._l_g + g * g * self._w2, 0.0) * scale
         v_tt = max(self._q_tt - 2 * t * self._l_t + t * t * self._w2, 0.0) * scale
         v_gt = (self._q_gt - g * self._l_t - t * self._l_g + g * t * self._w2) * scale
-        return fieller_interval(t, g, v_tt, v_gg, v_gt, _student_quantile(n_eff - 1.0))
+        return g, t, n_eff, v_gg, v_tt, v_gt
 
     def result(self, accepted: bool) -> NoiseScaleEstimate:
         """The state as a :class:`NoiseScaleEstimate` (``accepted`` as given)."""
-        interval = self.noise_scale_interval
-        low, high = interval if interval is not None else (None, None)
+        estimate = self._estimate()
+        ratio, (low, high) = estimate if estimate is not None else (None, (None, None))
         return NoiseScaleEstimate(
             grad_sq_norm=self.grad_sq_norm,
             trace_cov=self.trace_cov,
-            noise_scale=self.noise_scale,
+            noise_scale=ratio,
             step=self._last_step if accepted else None,
             accepted=accepted,
             steps=self._steps,
