@@ -1,0 +1,285 @@
+"""The proof under decaying learning rates: growth at equal tokens against a constant batch.
+
+Same model, data, warm-up and token budget as ``gpt_proof.py``. Each run hands its
+learning-rate schedule to the tracker as a ``LambdaLR`` sized in steps of the
+starting batch (what a user writes), so the tracker re-times it in tokens and
+multiplies it by the batch-size coupling. Runs, per seed and LR schedule
+(``cosine`` or ``wsd``: warmup-stable-decay, last 20% linear, both to 10%):
+
+* ``constant_512``: the constant 512-token batch (256-token microbatches, A = 2);
+* ``tracker_default``: the library's defaults (LR coupling chosen from AdamW: sqrt);
+* ``tracker_convert``: the same plus ``convert_lr_decay=True`` (halvings of the
+  scheduled LR become doublings while the batch stays below the measured critical batch);
+* ``tracker_default_cap`` (first seed, cosine): the coupling capped at the peak LR;
+* ``tracker_default`` and ``tracker_budget`` at a constant LR (the earlier proof's rows,
+  rerun with the new defaults).
+
+Usage::
+
+    python examples/gpt_proof_lr.py --out runs/proof_lr          # about an hour on two cores
+    python examples/gpt_proof_lr.py --quick --out runs/proof_lr_quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
+
+SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_budget")
+BASELINE_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Run:
+    schedule: str
+    seed: int
+    lr_schedule: str  # "constant", "cosine" or "wsd"
+    cap: bool = False
+
+    @property
+    def name(self) -> str:
+        kind = f"constant_{BASELINE_TOKENS}" if self.schedule == "constant" else self.schedule
+        return f"{kind}{'_cap' if self.cap else ''}_{self.lr_schedule}_seed{self.seed}"
+
+
+def lr_at(setting: base.Setting, lr_schedule: str, tokens: float) -> float:
+    """The learning rate of a step ending at ``tokens``: ``gpt_proof.lr_at`` plus ``wsd``."""
+    if lr_schedule != "wsd" or tokens < setting.warmup_tokens:
+        return base.lr_at(setting, lr_schedule, tokens)
+    start = 0.8 * setting.budget_tokens
+    if tokens <= start:
+        return setting.lr
+    frac = min(1.0, (tokens - start) / (setting.budget_tokens - start))
+    return setting.lr * (1.0 - (1.0 - setting.min_lr_ratio) * frac)
+
+
+def plan(setting: base.Setting) -> list[Run]:
+    runs: list[Run] = []
+    for seed in setting.seeds:
+        for lr_schedule in ("cosine", "wsd"):
+            runs += [Run("constant", seed, lr_schedule), Run("tracker_default", seed, lr_schedule),
+                     Run("tracker_convert", seed, lr_schedule)]
+        if seed == setting.seeds[0]:
+            runs.append(Run("tracker_default", seed, "cosine", cap=True))
+    for seed in setting.seeds:
+        runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
+    return runs
+
+
+def make_controller(run: Run, setting: base.Setting) -> Any:
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    if run.schedule == "constant":
+        return None
+    if run.schedule == "tracker_default":
+        return BatchSizeController()
+    if run.schedule == "tracker_convert":
+        return BatchSizeController(convert_lr_decay=True)
+    if run.schedule == "tracker_budget":
+        return BatchSizeController(budget_tokens=setting.budget_tokens)
+    raise ValueError(f"unknown schedule {run.schedule!r}; expected one of {SCHEDULES}")
+
+
+def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
+    import torch
+
+    from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+    from cbs_tracker.integrations.plain import CBSTracker
+
+    torch.set_num_threads(1)
+    corpus = load_corpus(setting.corpus_max_bytes)
+    micro_seqs = setting.tracker_micro_sequences
+    micro_tokens = micro_seqs * setting.seq_len
+    start = BASELINE_TOKENS if run.schedule == "constant" else setting.tracker_start_tokens
+    torch.manual_seed(run.seed)
+    model = GPT(GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
+                          n_head=setting.n_head))
+    optimizer = make_adamw(model, setting.lr, setting.weight_decay)
+    for group in optimizer.param_groups:
+        group["lr"] = setting.lr
+    # what a user writes: a schedule sized in optimizer steps of the starting batch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda e: lr_at(setting, run.lr_schedule, (e + 1) * start) / setting.lr
+    )
+    stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=run.seed)
+    tracker = CBSTracker(model, optimizer, accumulation_steps=start // micro_tokens,
+                         controller=make_controller(run, setting), lr_scheduler=scheduler, cap_lr_at_peak=run.cap)
+    evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
+    trace: dict[str, list[Any]] = {"tokens": [], "global_batch": [], "noise_scale": [], "lr": [], "scheduled_lr": []}
+
+    def record_eval(step: int, tokens: float) -> None:
+        evals["step"].append(step)
+        evals["tokens"].append(tokens)
+        evals["val_loss"].append(round(evaluate(model, corpus.val, seq_len=setting.seq_len,
+                                                num_sequences=setting.eval_sequences), 5))
+
+    record_eval(0, 0.0)
+    tokens, step, next_eval, next_trace, t0 = 0.0, 0, setting.eval_every_tokens, 0.0, time.time()
+    record = None
+    while tokens + tracker.accumulation_steps * micro_tokens <= setting.budget_tokens:
+        for _ in range(tracker.accumulation_steps):
+            x, y = stream.next_batch(micro_seqs)
+            with tracker.microbatch(labels=y):
+                _, loss = model(x, y)
+                (loss / tracker.accumulation_steps).backward()
+        record = tracker.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, tokens = record.step, record.tokens_seen
+        if tokens >= next_trace:
+            for key in ("global_batch", "noise_scale", "lr", "scheduled_lr"):
+                trace[key].append(getattr(record, key))
+            trace["tokens"].append(tokens)
+            next_trace = tokens + setting.trace_every_tokens
+        if tokens >= next_eval:
+            record_eval(step, tokens)
+            next_eval += setting.eval_every_tokens
+    if evals["step"][-1] != step:
+        record_eval(step, tokens)
+    result = {
+        "name": run.name, "schedule": run.schedule, "seed": run.seed, "lr_schedule": run.lr_schedule,
+        "cap_lr_at_peak": run.cap, "lr_coupling_mode": tracker.session.coupling_mode,
+        "final_val_loss": evals["val_loss"][-1], "steps": step, "tokens": tokens,
+        "final_batch_tokens": None if record is None else record.global_batch,
+        "lr_conversions": None if record is None else record.lr_conversions,
+        "train_time_s": round(time.time() - t0, 1), "evals": evals, "trace": trace,
+        "setting": setting.name, "setting_key": setting.key(),
+    }
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "runs" / f"{run.name}.json").write_text(json.dumps(result))
+    return result
+
+
+def run_all(setting: base.Setting, out: Path, jobs: int, only: set[str] | None) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    for path in sorted((out / "runs").glob("*.json")):
+        r = json.loads(path.read_text())
+        if r.get("setting_key") == setting.key():
+            results[r["name"]] = r
+    todo = [r for r in plan(setting) if r.name not in results and (only is None or r.schedule in only)]
+    running: dict[str, subprocess.Popen[bytes]] = {}
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    while todo or running:
+        while todo and len(running) < jobs:
+            run = todo.pop(0)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(asdict(run)),
+                   "--setting", setting.name, "--out", str(out)]
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            log = open(out / "logs" / f"{run.name}.log", "wb")  # noqa: SIM115
+            running[run.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            print(f"[{time.strftime('%H:%M:%S')}] start {run.name}", flush=True)
+        time.sleep(0.5)
+        for name, proc in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            path = out / "runs" / f"{name}.json"
+            if proc.returncode != 0 or not path.exists():
+                print(f"[{time.strftime('%H:%M:%S')}] FAILED {name}", flush=True)
+                continue
+            results[name] = json.loads(path.read_text())
+            print(f"[{time.strftime('%H:%M:%S')}] done  {name}: {results[name]['final_val_loss']:.4f}, "
+                  f"{results[name]['steps']} steps", flush=True)
+    return results
+
+
+def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run beside the constant 512 of the same LR schedule and seed (constant LR: no baseline)."""
+    rows = []
+    for r in sorted(results.values(), key=lambda r: (r["lr_schedule"], r["seed"], r["name"])):
+        ref = results.get(Run("constant", r["seed"], r["lr_schedule"]).name)
+        row = {k: r[k] for k in ("name", "schedule", "seed", "lr_schedule", "cap_lr_at_peak", "lr_coupling_mode",
+                                 "final_val_loss", "steps", "tokens", "final_batch_tokens", "lr_conversions")}
+        if ref is not None and ref is not r:
+            row["delta_loss_vs_constant_512"] = round(r["final_val_loss"] - ref["final_val_loss"], 4)
+            row["fewer_steps_vs_constant_512"] = round(1.0 - r["steps"] / ref["steps"], 3)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| run | LR schedule | seed | final val loss | vs constant 512 | steps | fewer steps | final batch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        delta = r.get("delta_loss_vs_constant_512")
+        fewer = r.get("fewer_steps_vs_constant_512")
+        lines.append(
+            f"| {r['name'].rsplit('_seed', 1)[0]} | {r['lr_schedule']} | {r['seed']} | {r['final_val_loss']:.4f} | "
+            f"{'' if delta is None else f'{delta:+.4f}'} | {r['steps']} | {'' if fewer is None else f'{fewer:.0%}'} | "
+            f"{r['final_batch_tokens']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    colors = {"constant": "black", "tracker_default": "tab:blue", "tracker_convert": "tab:red",
+              "tracker_budget": "tab:green"}
+    for col, lr_schedule in enumerate(("cosine", "wsd")):
+        for r in results.values():
+            if r["lr_schedule"] != lr_schedule or r["seed"] != 0:
+                continue
+            ls = ":" if r["cap_lr_at_peak"] else "-"
+            e, t = r["evals"], r["trace"]
+            axes[0, col].plot(e["tokens"][1:], e["val_loss"][1:], ls, color=colors[r["schedule"]], label=r["name"])
+            axes[1, col].plot(t["tokens"], t["lr"], ls, color=colors[r["schedule"]], label=f"{r['name']} LR")
+        axes[0, col].set_title(f"val loss vs tokens ({lr_schedule}, seed 0)")
+        axes[0, col].set_ylim(top=2.0)
+        axes[1, col].set_title("applied learning rate vs tokens")
+        for ax in axes[:, col]:
+            ax.set_xlabel("tokens")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/proof_lr")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--only", default=None, help=f"comma-separated schedules ({', '.join(SCHEDULES)})")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--setting", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.worker is not None:
+        run = Run(**json.loads(args.worker))
+        r = train(run, base.SETTINGS[args.setting], out)
+        print(f"{run.name}: {r['final_val_loss']:.4f} after {r['steps']} steps")
+        return 0
+    setting = base.QUICK if args.quick else base.FULL
+    only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_all(setting, out, max(1, args.jobs), only)
+    rows = summarise(results)
+    (out / "results.json").write_text(json.dumps({"setting": setting.name, "setting_key": setting.key(),
+                                                   "runs": rows}, indent=1))
+    (out / "table.md").write_text(table(rows))
+    draw(results, out / "proof_lr.png")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
