@@ -84,6 +84,13 @@ def _make_tracker(model, optimizer, args):
     )
 
 
+# operators that only make a new tensor header (no kernel on any device)
+_METADATA_OPS = frozenset({
+    "detach", "alias", "view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand", "as_strided",
+    "t", "transpose", "permute", "reshape", "lift_fresh", "promote_types", "result_type",
+})
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts aten operators by phase (``"setup"``, ``"micro"``, ``"step"``)."""
 
@@ -124,8 +131,11 @@ def count_ops(model, optimizer, stream, args, tracker) -> dict:
         diff.subtract(counted["plain"][ph])
         total = sum(diff.values())
         added[ph] = {"total": total, "by_op": {k: v for k, v in diff.most_common() if v}}
+    for ph in ("micro", "step"):
+        added[ph]["metadata"] = sum(v for k, v in added[ph]["by_op"].items() if k in _METADATA_OPS)
     per_micro = added["micro"]["total"] / args.accumulation
     return {"ops_added_per_microbatch": per_micro, "ops_added_per_step": added["step"]["total"],
+            "metadata_ops_added_per_step_total": added["micro"]["metadata"] + added["step"]["metadata"],
             "ops_added_per_step_total": added["micro"]["total"] + added["step"]["total"],
             "micro_ops": dict(added["micro"]["by_op"]), "step_ops": dict(added["step"]["by_op"]),
             "plain_ops_per_step": sum(counted["plain"]["micro"].values()) + sum(counted["plain"]["step"].values())}
@@ -180,12 +190,13 @@ def main() -> int:
     print(f"operators added: {ops['ops_added_per_microbatch']:g} per microbatch, {ops['ops_added_per_step']} in the "
           f"optimizer-step part; {ops['ops_added_per_step_total']} per optimizer step in all "
           f"(the untracked step runs {ops['plain_ops_per_step']}); "
+          f"{ops['metadata_ops_added_per_step_total']} of those per step only make tensor headers (no kernel); "
           f"{len([p for p in model.parameters() if p.requires_grad])} parameter tensors")
     print(f"  per microbatch ({args.accumulation} microbatches): {ops['micro_ops']}")
     print(f"  optimizer-step part: {ops['step_ops']}")
     if args.count_ops_only:
         if args.json:
-            print(json.dumps({k: v for k, v in ops.items() if k.startswith("ops_") or k == "plain_ops_per_step"}))
+            print(json.dumps({k: v for k, v in ops.items() if not k.endswith("_ops")}))
         return 0
     for _ in range(args.warmup):
         _step(model, optimizer, stream, args)
