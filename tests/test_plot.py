@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -49,6 +50,8 @@ def make_run(accum, *, dp, micro=4096.0, unit="tokens", start_step=1, noise0=100
                 grad_sq_norm=0.5,
                 trace_cov=noise0 * step / 2,
                 noise_scale=noise0 * step if step >= 2 else None,
+                noise_scale_low=0.8 * noise0 * step if step >= 2 else None,
+                noise_scale_high=(math.inf if step == 3 else 1.25 * noise0 * step) if step >= 2 else None,
                 critical_batch=noise0 * step if step >= 3 else None,
                 lr=1e-3,
             )
@@ -157,6 +160,25 @@ def test_plot_writes_png_with_one_line_per_change(two_runs, tmp_path, capsys):
     assert sorted(line.get_xdata()[0] for line in marks) == [24576.0, 32768.0, 98304.0]
     assert ax.get_yscale() == "log"
     assert ax.get_xlabel() == "tokens seen"
+
+
+def test_noise_scale_interval_is_drawn_as_a_band(tmp_path):
+    write(tmp_path, make_run([1, 1, 1, 1, 2, 2], dp=1, noise0=1000.0))
+    run = read_cbs_scalars(tmp_path)["."]
+    seen = dict(zip(*(a.tolist() for a in run["cbs/tokens_seen"]), strict=True))
+    x, low, high = plot.noise_scale_band(run, seen)
+    assert x.tolist() == [seen[s] for s in range(2, 7)]
+    # step 3's upper end is infinite: a gap, not a made-up bound
+    assert np.isnan(low[1]) and np.isnan(high[1])
+    keep = [0, 2, 3, 4]
+    assert low[keep].tolist() == pytest.approx([800.0 * s for s in (2, 4, 5, 6)], rel=1e-6)
+    assert high[keep].tolist() == pytest.approx([1250.0 * s for s in (2, 4, 5, 6)], rel=1e-6)
+    (ax,) = draw_schedule({".": run}).axes
+    (band,) = [c for c in ax.collections if c.get_gid() == "noise-scale-band"]
+    ys = np.concatenate([p.vertices[:, 1] for p in band.get_paths()])
+    assert ys.min() == pytest.approx(1600.0, rel=1e-6) and ys.max() == pytest.approx(7500.0, rel=1e-6)
+    # a run logged without the interval draws no band
+    assert plot.noise_scale_band({k: v for k, v in run.items() if "low" not in k}, seen) is None
 
 
 def test_plot_through_console_dispatcher(two_runs, tmp_path):

@@ -1,8 +1,8 @@
 """``cbs-tracker plot LOGDIR -o schedule.png``: the batch schedule against tokens, from TensorBoard logs.
 
 Reads the ``cbs/`` tags of every run under ``LOGDIR`` (each folder holding event
-files is a run) and draws, against the units seen, the noise scale, the critical
-batch, the global batch and a line at each change of the batch. ``read_cbs_scalars``
+files is a run) and draws, against the units seen, the noise scale with its 90%
+interval as a band, the critical batch, the global batch and a line at each change of the batch. ``read_cbs_scalars``
 and ``find_batch_changes`` are plain functions for scripts that analyse runs; the
 tags and what counts as a change are in ``docs/design.md`` (Logging).
 """
@@ -29,6 +29,7 @@ __all__ = [
     "draw_schedule",
     "find_batch_changes",
     "main",
+    "noise_scale_band",
     "read_cbs_scalars",
     "run_unit",
 ]
@@ -236,6 +237,35 @@ def find_batch_changes(run: RunScalars) -> list[BatchChange]:
     return changes
 
 
+def noise_scale_band(
+    run: RunScalars, seen: dict[int, float]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(x, low, high)`` of the noise scale's 90% interval, or ``None`` when not logged.
+
+    Steps where the upper end is infinite (``|G|^2`` not distinguishable from 0)
+    or the lower end is not positive are NaN, so the band shows a gap there on
+    the log axis rather than a made-up bound.
+
+    Args:
+        run: one run of ``read_cbs_scalars``.
+        seen: ``{step: units seen}`` of the run.
+    """
+    if "cbs/noise_scale_low" not in run or "cbs/noise_scale_high" not in run:
+        return None
+    low_map = _as_map(run, "cbs/noise_scale_low")
+    high_map = _as_map(run, "cbs/noise_scale_high")
+    steps = [s for s in sorted(low_map) if s in high_map and s in seen]
+    if not steps:
+        return None
+    x = np.array([seen[s] for s in steps], dtype=np.float64)
+    low = np.array([low_map[s] for s in steps], dtype=np.float64)
+    high = np.array([high_map[s] for s in steps], dtype=np.float64)
+    bad = ~(np.isfinite(low) & np.isfinite(high) & (low > 0))
+    low[bad] = np.nan
+    high[bad] = np.nan
+    return x, low, high
+
+
 def _positive(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     keep = np.isfinite(y) & (y > 0)
     return x[keep], y[keep]
@@ -293,6 +323,10 @@ def draw_schedule(
         x, y = _positive(*_against_seen(run, "cbs/noise_scale", seen))
         if x.size:
             ax.plot(x, y, color=color, lw=1.5, label=f"{prefix}noise scale B_simple")
+        band = noise_scale_band(run, seen)
+        if band is not None:
+            ax.fill_between(*band, color=color, alpha=0.18, lw=0, gid="noise-scale-band",
+                            label=f"{prefix}90% interval of B_simple")
         x, y = _positive(*_against_seen(run, "cbs/critical_batch", seen))
         if x.size:
             ax.plot(x, y, color=color, lw=1.2, ls="--", label=f"{prefix}critical batch (target)")
