@@ -22,6 +22,23 @@ from cbs_tracker.integrations.plain import CBSTracker
 from cbs_tracker.policy.controller import BatchSizeController
 
 
+def format_interval(low: float | None, high: float | None) -> str:
+    """``"low-high"`` of the noise scale's 90% interval for the table (``"-"`` when none).
+
+    Args:
+        low: lower end, or ``None`` before a measurement.
+        high: upper end; ``inf`` while ``|G|^2`` is not distinguishable from 0.
+
+    Returns:
+        E.g. ``"1,210-1,530"``, ``">=900"`` when unbounded above, ``"-"`` when none.
+    """
+    if low is None or high is None:
+        return "-"
+    if math.isinf(high):
+        return f">={low:,.0f}"
+    return f"{low:,.0f}-{high:,.0f}"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cbs-tracker demo", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=float, default=1.2e6, help="training budget in tokens (default 1.2M)")
@@ -60,7 +77,10 @@ def main(argv: list[str]) -> int:
         f"cbs-tracker demo: GPT {model.num_parameters() / 1e6:.2f}M params on {corpus.num_files} stdlib files "
         f"({corpus.num_bytes / 1e6:.1f} MB), microbatch {micro_tokens} tokens, budget {args.tokens / 1e6:.2f}M tokens"
     )
-    print(f"{'step':>6} {'tokens':>9} {'loss':>6} {'noise_scale':>11} {'critical':>9} {'global_batch':>12} {'A':>3}")
+    print(
+        f"{'step':>6} {'tokens':>9} {'loss':>6} {'noise_scale':>11} {'90% interval':>15} {'critical':>9} "
+        f"{'global_batch':>12} {'A':>3}"
+    )
     start = time.perf_counter()
     last_loss = math.nan
     while tracker.tokens_seen < args.tokens:
@@ -79,10 +99,11 @@ def main(argv: list[str]) -> int:
         changed = record.next_accumulation_steps != record.accumulation_steps
         if record.step % args.print_every == 0 or changed:
             ns = "-" if record.noise_scale is None else f"{record.noise_scale:,.0f}"
+            interval = format_interval(record.noise_scale_low, record.noise_scale_high)
             cb = "-" if record.critical_batch is None else f"{record.critical_batch:,.0f}"
             note = f"  -> A={record.next_accumulation_steps}" if changed else ""
             print(
-                f"{record.step:>6} {record.tokens_seen:>9,.0f} {last_loss:>6.3f} {ns:>11} {cb:>9} "
+                f"{record.step:>6} {record.tokens_seen:>9,.0f} {last_loss:>6.3f} {ns:>11} {interval:>15} {cb:>9} "
                 f"{record.global_batch:>12,.0f} {record.accumulation_steps:>3}{note}",
                 flush=True,
             )
