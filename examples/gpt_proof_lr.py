@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -94,10 +93,10 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
 
 def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
     import torch
+    from cbs_tracker.integrations.plain import CBSTracker
 
     from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
     from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
-    from cbs_tracker.integrations.plain import CBSTracker
 
     torch.set_num_threads(1)
     corpus = load_corpus(setting.corpus_max_bytes)
