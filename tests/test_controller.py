@@ -52,7 +52,7 @@ def test_defaults_are_documented_values():
     assert (c.kappa, c.margin, c.patience, c.window, c.warmup_steps) == (0.5, 0.1, 16, 32, 100)
     assert c.min_batch is None and c.max_batch is None and c.max_accumulation_steps is None
     assert c.warmup_tokens is None and c.cooldown_tokens is None
-    assert not c.allow_shrink and not c.observe_only and c.lr_scaling == "keep" and c.feedback_guard
+    assert not c.allow_shrink and not c.observe_only and c.lr_scaling is None and c.feedback_guard
     assert c.accumulation_steps == 0 and c.start_batch is None
 
 
@@ -777,3 +777,226 @@ def test_default_kappa_keeps_the_batch_below_half_the_noise_scale():
     _, (_, _, acc_default) = simulate(BatchSizeController(), signal, 3000)
     _, (_, _, acc_one) = simulate(BatchSizeController(kappa=1.0), signal, 3000)
     assert (acc_default, acc_one) == (8, 16)
+
+
+# ------------------------------------------------------------ state validation
+# A checkpoint written by the controller before it was split into parts (same format,
+# version 1): window=4, patience=2, lr_scaling="sqrt", 700 steps of _noisy_rise(7).
+_OLD_CHECKPOINT = {
+    "version": 1, "started": 1, "start_accumulation_steps": 1, "units_sum": 475648.0, "accumulation_sum": 929,
+    "exponent": 1, "steps": 700, "last_step": 700, "last_tokens": 475648.0,
+    "recent_noise_scales": [2525.9540178058387, 2048.1375940110793, 3396.5130840128427, 3597.929824396694],
+    "grow_count": 0, "shrink_count": 0, "pending": 0, "effective_tokens": 241152.0, "trap_state": 0,
+    "trap_ns_before": 2278.07155938688, "trap_tokens_before": 241152.0, "trap_slope": 1.021489883554253e-05,
+    "trap_span": 239104.0, "trap_ratio": 0.0, "trap_exponent": 0, "anchor_ns": 1498.2071539121866,
+    "anchor_tokens": 245248.0, "anchor_set": 1, "warned_trap": 0, "plan_anchor_batch": 512.0,
+}
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_the_same_decisions():
+    kwargs = dict(window=4, patience=2, lr_scaling="sqrt")
+    full, _ = simulate(BatchSizeController(**kwargs), _noisy_rise(7), 1500)
+    resumed = BatchSizeController(**kwargs)
+    resumed.load_state_dict(_OLD_CHECKPOINT)
+    sig = _noisy_rise(7)
+    simulate(BatchSizeController(**kwargs), sig, 700)  # advance the signal's random stream
+    rest, _ = simulate(resumed, sig, 800, start_step=701, tokens=475648.0, accumulation=2)
+    assert rest == full[700:]
+    assert changes(full[700:])  # the resumed part does change the batch
+
+
+def _trained_controller():
+    ctrl = BatchSizeController(convert_lr_decay=True)
+    with pytest.warns(RuntimeWarning):
+        simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 600)
+    return ctrl
+
+
+@pytest.mark.parametrize(
+    "key,value,exc,match",
+    [
+        ("version", 0, ValueError, r"state\['version'\]=0: expected 1"),
+        ("version", "1", TypeError, r"state\['version'\]='1': expected an int"),
+        ("exponent", 2.5, TypeError, r"state\['exponent'\]=2.5: expected an int"),
+        ("exponent", -1, ValueError, r"state\['exponent'\]=-1: expected an int >= 0"),
+        ("grow_count", -1, ValueError, r"state\['grow_count'\]=-1: expected an int >= 0"),
+        ("pending", 2, ValueError, r"state\['pending'\]=2: expected 0 or 1"),
+        ("trap_state", 3, ValueError, r"state\['trap_state'\]=3: expected an int >= 0 and <= 2"),
+        ("units_sum", float("inf"), ValueError, r"state\['units_sum'\]=inf: expected a finite number"),
+        ("trap_ratio", "x", TypeError, r"state\['trap_ratio'\]='x': expected a finite number"),
+        ("recent_noise_scales", [1.0, -2.0], ValueError, r"state\['recent_noise_scales'\]=\[1.0, -2.0\]"),
+        ("recent_noise_scales", "1.0", TypeError, r"expected a list of finite numbers > 0"),
+        ("lr_conversions", 3, ValueError, r"state\['lr_conversions'\]=3: expected at most state\['lr_halvings'\]=0"),
+        ("lr_reference", -0.1, ValueError, r"state\['lr_reference'\]=-0.1"),
+    ],
+)
+def test_a_corrupted_state_is_refused_and_changes_nothing(key, value, exc, match):
+    ctrl = _trained_controller()
+    before = ctrl.state_dict()
+    state = {**before, key: value}
+    with pytest.raises(exc, match=match):
+        ctrl.load_state_dict(state)
+    assert ctrl.state_dict() == before
+    fresh = BatchSizeController()
+    with pytest.raises(exc, match=match):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict() == BatchSizeController().state_dict()
+
+
+def test_a_failed_load_leaves_every_part_untouched():
+    # a valid level, rules and guard but a bad conversion value (the last part read): a
+    # load that assigned part by part would have changed the exponent and the window
+    ctrl = _trained_controller()
+    before = ctrl.state_dict()
+    other = dict(BatchSizeController().state_dict(), lr_halvings=-1)
+    with pytest.raises(ValueError, match=r"state\['lr_halvings'\]=-1"):
+        ctrl.load_state_dict(other)
+    assert ctrl.state_dict() == before and ctrl.feedback_trap and ctrl.exponent == 1
+
+
+# ----------------------------------------------------------- LR decay -> batch growth
+def simulate_lr(ctrl, signal, lr_at, steps, *, start_step=1, tokens=0.0, accumulation=1, **extra):
+    """simulate() with ``scheduled_lr=lr_at(step)`` passed at every step."""
+    acc, decisions = accumulation, []
+    for step in range(start_step, start_step + steps):
+        batch = MICRO * acc
+        tokens += batch
+        d = ctrl.update(step=step, tokens_seen=tokens, global_batch=batch, accumulation_steps=acc,
+                        noise_scale=signal(step, tokens, batch), scheduled_lr=lr_at(step), **extra)
+        decisions.append(d)
+        acc = d.accumulation_steps
+    return decisions, (step, tokens, acc)
+
+
+def _step_decay(step):
+    return 1.0 if step < 200 else 0.5 if step < 400 else 0.25 if step < 600 else 0.1
+
+
+def test_step_decay_halvings_become_doublings_up_to_the_critical_batch():
+    # critical batch kappa * B_simple = 3072 (6 starting batches); margin=100 keeps the
+    # measured rule from growing, so every change is a conversion. Halvings at 200
+    # (1 -> 0.5: 1024 <= 3072, converted) and 400 (-> 0.25: 2048 <= 3072, converted);
+    # at 600 (0.25 -> 0.1 passes 0.125) the doubling to 4096 exceeds 3072: the LR
+    # decays as scheduled. 0.1 is above the next level 0.0625: no further halving.
+    ctrl = BatchSizeController(kappa=1.0, margin=100.0, convert_lr_decay=True, lr_scaling="linear")
+    decisions, (_, _, acc) = simulate_lr(ctrl, lambda *a: 6.0 * MICRO, _step_decay, 800)
+    grown = changes(decisions)
+    assert [(d.step, d.accumulation_steps) for d in grown] == [(200, 2), (400, 4)]
+    assert all(d.reason.startswith("convert: scheduled LR") and d.lr_factor == 2.0 for d in grown)
+    assert [d.lr_conversions for d in grown] == [1, 2]
+    assert acc == 4 and decisions[-1].lr_conversions == 2 == ctrl.lr_conversions
+    assert ctrl.state_dict()["lr_halvings"] == 3
+
+
+def test_without_the_mode_the_same_run_never_changes():
+    ctrl = BatchSizeController(kappa=1.0, margin=100.0)
+    decisions, _ = simulate_lr(ctrl, lambda *a: 6.0 * MICRO, _step_decay, 800)
+    assert changes(decisions) == [] and decisions[-1].lr_conversions == 0
+
+
+def _cosine(total, floor=0.1):
+    return lambda step: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+def _first_step_at_or_below(lr_at, level):
+    return next(t for t in range(1, 10**6) if lr_at(t) <= level * (1 + 1e-9))
+
+
+def test_cosine_conversions_join_the_measured_early_growth():
+    # B_simple = 8.4 * 512 = 4300.8 (kappa 1): the measured rule grows 512 -> 1024 -> 2048
+    # (the next doubling needs 2 * 2048 * 1.1 = 4505.6) early; the cosine to 10% over 3000
+    # steps halves at 0.5, 0.25 and 0.125 of its peak: the first halving converts
+    # (4096 <= 4300.8), the later ones would need 8192 and only decay the LR.
+    lr_at = _cosine(3000)
+    ctrl = BatchSizeController(kappa=1.0, convert_lr_decay=True)
+    decisions, (_, _, acc) = simulate_lr(ctrl, lambda *a: 8.4 * MICRO, lr_at, 3200)
+    grown = changes(decisions)
+    assert [d.accumulation_steps for d in grown] == [2, 4, 8]
+    assert [d.reason.split()[0] for d in grown] == ["grow", "grow", "convert:"]
+    assert grown[1].step < 1000  # the measured growth came first
+    assert grown[2].step == _first_step_at_or_below(lr_at, 0.5)
+    assert acc == 8 and ctrl.lr_conversions == 1
+    assert ctrl.state_dict()["lr_halvings"] == 3  # 0.5, 0.25, 0.125; the floor 0.1 stays above 0.0625
+
+
+def test_conversions_stop_at_the_accumulation_cap():
+    # a critical batch of 50 * 512 would take every halving of a cosine to 10%, but
+    # max_accumulation_steps=4 stops the third (margin=100: no measured growth)
+    lr_at = _cosine(3000)
+    ctrl = BatchSizeController(kappa=1.0, margin=100.0, max_accumulation_steps=4, convert_lr_decay=True)
+    decisions, (_, _, acc) = simulate_lr(ctrl, lambda *a: 50.0 * MICRO, lr_at, 3200)
+    steps = [d.step for d in changes(decisions)]
+    assert steps == [_first_step_at_or_below(lr_at, 0.5), _first_step_at_or_below(lr_at, 0.25)]
+    assert acc == 4 and ctrl.lr_conversions == 2 and ctrl.state_dict()["lr_halvings"] == 3
+
+
+def test_the_reference_is_the_peak_after_a_warmup():
+    # linear warm-up 0.01 -> 1 over 100 steps, then 1 until 400, then 0.5: one halving of
+    # the peak (not of the warm-up's first value) at step 400
+    def lr_at(step):
+        return 0.01 + 0.99 * step / 100 if step < 100 else 1.0 if step < 400 else 0.5
+
+    ctrl = BatchSizeController(kappa=1.0, margin=100.0, convert_lr_decay=True)
+    decisions, _ = simulate_lr(ctrl, lambda *a: 6.0 * MICRO, lr_at, 600)
+    assert [d.step for d in changes(decisions)] == [400]
+
+
+def test_no_conversion_while_the_noise_scale_follows_the_batch():
+    # the feedback trap: the measured critical batch is no measurement, so halvings only decay the LR
+    ctrl = BatchSizeController(convert_lr_decay=True)
+    lr_at = _cosine(4000)
+    with pytest.warns(RuntimeWarning, match="follows the batch"):
+        decisions, (_, _, acc) = simulate_lr(ctrl, lambda step, tokens, batch: 10.0 * batch, lr_at, 4000)
+    assert acc == 2 and ctrl.feedback_trap and ctrl.lr_conversions == 0
+    assert ctrl.state_dict()["lr_halvings"] == 3
+
+
+def test_a_constant_schedule_leaves_the_decisions_of_the_plain_controller():
+    plain, _ = simulate(BatchSizeController(kappa=1.0), _noisy_rise(4), 3000)
+    converting, _ = simulate_lr(BatchSizeController(kappa=1.0, convert_lr_decay=True), _noisy_rise(4),
+                                lambda step: 3e-4, 3000)
+    assert converting == plain and len(changes(plain)) >= 3
+
+
+@pytest.mark.parametrize("split", [450, 1600])
+def test_conversion_state_resumes_identically(split):
+    kwargs = dict(kappa=1.0, convert_lr_decay=True, lr_scaling="sqrt")
+    lr_at = _cosine(2500)
+    full, _ = simulate_lr(BatchSizeController(**kwargs), _noisy_rise(5), lr_at, 2500)
+    first = BatchSizeController(**kwargs)
+    sig = _noisy_rise(5)
+    part1, (step, tokens, acc) = simulate_lr(first, sig, lr_at, split)
+    resumed = BatchSizeController(**kwargs)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    part2, _ = simulate_lr(resumed, sig, lr_at, 2500 - split, start_step=step + 1, tokens=tokens, accumulation=acc)
+    assert part1 + part2 == full
+    assert full[-1].lr_conversions >= 1
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        ({"scheduled_lr": -1.0}, ValueError, r"update\(scheduled_lr=-1.0\): must be finite and >= 0, or None"),
+        ({"scheduled_lr": float("nan")}, ValueError, r"scheduled_lr=nan\)"),
+        ({"scheduled_lr": "3e-4"}, TypeError, r"update\(scheduled_lr='3e-4'\): expected a number or None"),
+        ({"noise_scale_low": "x"}, TypeError, r"update\(noise_scale_low='x'\): expected a number or None"),
+        ({"noise_scale_high": [1]}, TypeError, r"update\(noise_scale_high=\[1\]\): expected a number or None"),
+    ],
+)
+def test_bad_new_update_arguments_are_refused(over, exc, match):
+    with pytest.raises(exc, match=match):
+        _update(BatchSizeController(), **over)
+
+
+def test_convert_lr_decay_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"BatchSizeController\(convert_lr_decay='yes'\): expected a bool"):
+        BatchSizeController(convert_lr_decay="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scaling,factor", [(None, 1.0), ("keep", 1.0), ("sqrt", math.sqrt(2)), ("linear", 2.0)])
+def test_lr_scaling_is_exposed_and_none_leaves_the_coupling_to_the_adapter(scaling, factor):
+    ctrl = BatchSizeController(lr_scaling=scaling, feedback_guard=False)
+    assert ctrl.lr_scaling == scaling
+    decisions, _ = simulate(ctrl, lambda *a: 1e9, 200)
+    assert all(d.lr_factor == pytest.approx(factor) for d in changes(decisions))
+    assert ctrl.exponent == len(changes(decisions)) and ctrl.accumulation_steps == 2**ctrl.exponent
