@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
               f"val loss {val:.3f} nats/byte; noise scale {'-' if ns is None else f'{ns:,.0f}'} tokens; "
               f"global batch {tracker.accumulation_steps * micro_tokens * world:,} tokens "
               f"(A={tracker.accumulation_steps}, D={tracker.dp_degree})", flush=True)
+        # full precision, for comparison with a single-process run on the same data
+        print(f"measured: noise_scale={record.noise_scale!r} grad_sq_norm={record.grad_sq_norm!r} "
+              f"trace_cov={record.trace_cov!r} val_loss={val!r}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
