@@ -1000,3 +1000,89 @@ def test_lr_scaling_is_exposed_and_none_leaves_the_coupling_to_the_adapter(scali
     decisions, _ = simulate(ctrl, lambda *a: 1e9, 200)
     assert all(d.lr_factor == pytest.approx(factor) for d in changes(decisions))
     assert ctrl.exponent == len(changes(decisions)) and ctrl.accumulation_steps == 2**ctrl.exponent
+
+
+# ----------------------------------------------- feedback guard at its thresholds
+def _jump_after_the_first_doubling(ratio):
+    """B_simple flat at 3 * 512 at the start batch, ``ratio`` times that once the batch doubled.
+
+    Flat before the doubling, so the trend is 1 and the check compares ``ratio`` with
+    ``feedback_ratio`` (1.4). With kappa = 1, 1536 >= 2 * 512 * 1.1 grows once; after a x1.5
+    jump 2304 >= 2 * 1024 * 1.1 = 2252.8 asks for a second doubling that only a trap stops.
+    """
+    def signal(step, tokens, batch):
+        return 3.0 * MICRO * (1.0 if batch == MICRO else ratio)
+    return signal
+
+
+@pytest.mark.parametrize("ratio,trap", [(1.3, False), (1.45, True), (1.5, True)])
+def test_feedback_trap_threshold(ratio, trap):
+    # x1.3 is no trap, x1.45 and x1.5 are (feedback_ratio 1.4; x1.45 fails if it were 1.5)
+    ctrl = BatchSizeController(kappa=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decisions, (_, _, acc) = simulate(ctrl, _jump_after_the_first_doubling(ratio), 1500)
+    assert ctrl.feedback_trap is trap
+    assert any("follows the batch" in str(w.message) for w in caught) is trap
+    # x1.5 asks for a second doubling (2304 >= 2252.8): only the trap holds it back
+    assert acc == (2 if trap or ratio < 1.45 else 4)
+
+
+@pytest.mark.parametrize("rise,resumes", [(1.45, False), (1.55, True)])
+def test_growth_resumes_at_a_rise_of_1_5(rise, resumes):
+    # trapped at B_simple / B = 10 (batch 1024); from 1.5M units B_simple is flat at
+    # rise * 10 * 1024: resume needs B_simple / B >= 1.5 * 10 (x1.45 fails if it were 1.4)
+    def signal(step, tokens, batch):
+        return 10.0 * batch if tokens < 1.5e6 else rise * 10.0 * 2 * MICRO
+
+    ctrl = BatchSizeController()
+    with pytest.warns(RuntimeWarning, match="follows the batch"):
+        decisions, (_, _, acc) = simulate(ctrl, signal, 5000)
+    assert [d.accumulation_steps for d in changes(decisions)][0] == 2
+    assert ctrl.feedback_trap is not resumes
+    assert (acc > 2) is resumes
+
+
+@pytest.mark.parametrize("low_fraction,trap", [(0.6, False), (0.95, True), (None, True)])
+def test_a_jump_within_the_noise_scales_own_interval_is_no_trap(low_fraction, trap):
+    # the x1.5 jump above; with an interval whose lower end (0.6 * 1.5 = 0.9 of the earlier
+    # level) still holds the earlier value, the jump is no evidence; a narrow one (0.95) is
+    ctrl = BatchSizeController(kappa=1.0, margin=0.5)  # margin 0.5: no second doubling either way
+    signal = _jump_after_the_first_doubling(1.5)
+    acc, tokens = 1, 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(1, 1500):
+            batch = MICRO * acc
+            tokens += batch
+            ns = signal(step, tokens, batch)
+            low = None if low_fraction is None or batch == MICRO else low_fraction * ns
+            acc = ctrl.update(step=step, tokens_seen=tokens, global_batch=batch, accumulation_steps=acc,
+                              noise_scale=ns, noise_scale_low=low).accumulation_steps
+    assert acc == 2 and ctrl.feedback_trap is trap
+
+
+# ------------------------------------------------------- growth on evidence
+@pytest.mark.parametrize("low_fraction,grows", [(None, True), (0.8, True), (0.7, False), (0.0, False)])
+def test_growth_needs_the_intervals_lower_end_past_the_threshold(low_fraction, grows):
+    # B_simple = 3 * 512 = 1536, kappa 1: the median rule grows (1536 >= 1126.4). With an
+    # interval the lower end must pass too: 0.8 * 1536 = 1229 does, 0.7 * 1536 = 1075 does not;
+    # a lower end of 0 (the interval reaches zero) is no evidence at all
+    ctrl = BatchSizeController(kappa=1.0, max_accumulation_steps=2)
+    low = None if low_fraction is None else low_fraction * 3.0 * MICRO
+    decisions, (_, _, acc) = simulate_lr(ctrl, lambda *a: 3.0 * MICRO, lambda step: None, 400,
+                                         noise_scale_low=low)
+    assert (acc == 2) is grows
+
+
+@pytest.mark.parametrize("high_fraction,shrinks", [(None, True), (1.2, True), (2.5, False)])
+def test_shrink_needs_the_intervals_upper_end_below_the_threshold(high_fraction, shrinks):
+    # B_simple = 0.3 * 8 * 512 with kappa 1, allow_shrink: below B / 2.2 = 0.4545 B; an upper
+    # end at 1.2x (0.36 B) is still below, at 2.5x (0.75 B) it is not
+    ns = 0.3 * 8 * MICRO
+    ctrl = BatchSizeController(kappa=1.0, allow_shrink=True, warmup_steps=0, warmup_tokens=0,
+                               cooldown_tokens=1e12)
+    high = None if high_fraction is None else high_fraction * ns
+    decisions, (_, _, acc) = simulate_lr(ctrl, lambda *a: ns, lambda step: None, 300, accumulation=8,
+                                         noise_scale_high=high)
+    assert (acc == 4) is shrinks
