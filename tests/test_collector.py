@@ -268,9 +268,9 @@ def test_hook_counts_inside_and_outside_microbatches():
     assert collector.hooks_fired_outside == 0
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True])
-def test_bucket_bytes_is_checked(bad):
-    with pytest.raises(ValueError, match=rf"GradStatsCollector\(bucket_bytes={bad!r}\)"):
+@pytest.mark.parametrize(("bad", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bucket_bytes_is_checked(bad, error):
+    with pytest.raises(error, match=rf"GradStatsCollector\(bucket_bytes={bad!r}\)"):
         GradStatsCollector([], bucket_bytes=bad)
 
 

@@ -171,6 +171,7 @@ class GradStatsCollector:
             ``MAX_BUCKET_BYTES``; ``0``: one norm per gradient, in its hook).
 
     Raises:
+        TypeError: ``bucket_bytes`` is not an int.
         ValueError: ``bucket_bytes`` is negative.
     """
 
@@ -182,12 +183,16 @@ class GradStatsCollector:
         register: bool = True,
         bucket_bytes: int | None = None,
     ) -> None:
-        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or int(bucket_bytes) != bucket_bytes
-                                         or bucket_bytes < 0):
-            raise ValueError(f"GradStatsCollector(bucket_bytes={bucket_bytes!r}): must be None or an integer >= 0")
+        if bucket_bytes is not None:
+            if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+                raise TypeError(f"GradStatsCollector(bucket_bytes={bucket_bytes!r}): must be None or an int")
+            if bucket_bytes < 0:
+                raise ValueError(f"GradStatsCollector(bucket_bytes={bucket_bytes!r}): must be >= 0 bytes")
         self.transform = transform
         self._fused_transform = getattr(transform, "foreach", None)
+        self._hook_transform = transform if self._fused_transform is None else None
         self._fixed_bucket_bytes = None if bucket_bytes is None else int(bucket_bytes)
+        self._limit = 0 if bucket_bytes is None else int(bucket_bytes)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked: set[int] = set()
         self._param_bytes = 0
@@ -223,6 +228,7 @@ class GradStatsCollector:
             return
         self._hooked.add(id(param))
         self._param_bytes += param.numel() * param.element_size()
+        self._limit = self.bucket_bytes
         self._handles.append(param.register_hook(self._make_hook(param)))
 
     @property
@@ -250,13 +256,13 @@ class GradStatsCollector:
 
     def _file(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         g: torch.Tensor | None = grad
-        if self.transform is not None and self._fused_transform is None:
-            g = self.transform(param, grad)
+        if self._hook_transform is not None:
+            g = self._hook_transform(param, grad)
             if g is None:
                 self._skipped = True
                 return
         nbytes = g.numel() * g.element_size()
-        limit = self.bucket_bytes
+        limit = self._limit
         if self._eager or nbytes >= limit:
             self._reduce([param], [g])
             return
@@ -334,6 +340,7 @@ class GradStatsCollector:
         self._handles.clear()
         self._hooked.clear()
         self._param_bytes = 0
+        self._limit = self.bucket_bytes
 
     @property
     def num_hooks(self) -> int:
