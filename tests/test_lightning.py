@@ -179,6 +179,7 @@ def test_frozen_regression_estimate_matches_the_plain_loop_tracker_on_the_same_b
         tracker.step()
         ref_model.net.zero_grad()
     assert cbs.steps == tracker.steps == 16
+    assert tracker.noise_scale is not None  # None == pytest.approx(None) would hold
     assert cbs.noise_scale == pytest.approx(tracker.noise_scale, rel=1e-6)
     assert cbs.tokens_seen == tracker.tokens_seen == 256
 

@@ -89,6 +89,8 @@ def _invariance_run(**kw):
 
 def test_noise_scale_is_invariant_to_loss_scaling_and_amp_loss_scale():
     ref = _invariance_run()
+    # None == pytest.approx(None) holds: the reference must have measured something
+    assert None not in (ref.noise_scale, ref.grad_sq_norm, ref.trace_cov)
     scaled = _invariance_run(loss_factor=37.0)
     assert scaled.noise_scale == pytest.approx(ref.noise_scale, rel=1e-5)
     # the estimates of |G|^2 and tr(Sigma) carry the factor squared; their ratio does not
@@ -115,6 +117,7 @@ def test_not_dividing_the_loss_by_accumulation_is_accounted_for():
                 (0.5 * (model(x).squeeze(-1) - y).pow(2).mean()).backward()  # summed over microbatches
         tracker.step()
         model.zero_grad()
+    assert None not in (ref.noise_scale, ref.grad_sq_norm)  # approx(None) would match None
     assert tracker.noise_scale == pytest.approx(ref.noise_scale, rel=1e-5)
     assert tracker.grad_sq_norm == pytest.approx(ref.grad_sq_norm, rel=1e-5)
 
