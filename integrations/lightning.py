@@ -1,86 +1,24 @@
-"""Lightning adapter: ``CBSCallback`` measures the noise scale and grows the batch safely mid-epoch.
+"""Lightning adapter: ``CBSCallback`` measures the noise scale and grows ``accumulate_grad_batches`` safely.
 
 Usage::
-
-    import lightning as L
-    from cbs_tracker import CBSCallback
 
     trainer = L.Trainer(accumulate_grad_batches=2, callbacks=[CBSCallback()])
     trainer.fit(model, train_loader)
 
-What it does, per optimizer step (DESIGN §2–§5, McCandlish et al. 2018, App. A):
-
-* **measure**: a tensor hook on every trainable parameter of the LightningModule
-  records the squared norm of each microbatch's local gradient (between
-  ``on_before_backward`` and ``on_after_backward``, so only training backwards
-  count); ``on_before_optimizer_step`` reads the squared norm of the synced,
-  unscaled, not yet clipped ``.grad``. One ``all_reduce`` of seven numbers per
-  step carries the sums over the data-parallel ranks;
-* **estimate**: Lightning divides each microbatch loss by
-  ``trainer.accumulate_grad_batches`` (``A``) and DDP averages over ranks; the
-  norms are put back on one scale by :func:`cbs_tracker.integrations.plain.reduce_window`
-  (small norms ``x A^2 / S^2``, big norm ``x (D A / K)^2``, ``S`` the AMP loss
-  scale, ``K`` the microbatches really run) and fed to a
-  :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`;
-* **decide**: a :class:`~cbs_tracker.policy.controller.BatchSizeController` answers with the
-  accumulation steps of the next window;
-* **apply safely**: Lightning steps when ``(batch_idx + 1) % A == 0``, zeroes the
-  gradients when ``batch_idx % A == 0`` and divides by the *current* ``A``, so a
-  value changed at an arbitrary moment corrupts a window. A new value ``A'`` is
-  written to ``trainer.accumulate_grad_batches`` only in ``on_train_batch_end`` of
-  a batch that stepped and only when ``(batch_idx + 1) % A' == 0`` (for a
-  doubling: at most one more window of the old size), or at the start of an epoch.
-
-The last window of an epoch (or of ``limit_train_batches``) can be short: Lightning
-steps on the last batch and still divides each of its ``K < A`` losses by ``A``
-(Lightning issue #19987). The callback measures that window with its real ``K``
-and real size; with ``rescale_short_window=True`` it also multiplies the gradient
-by ``A / K`` before clipping and the optimizer step, so the step uses the mean
-gradient of the window like every other step.
-
-Loss normalisation assumed: ``training_step`` returns the mean loss over the
-microbatch's own units (samples or loss-contributing tokens), as is usual. With a
-token-weighted loss (sum over tokens divided by the global batch's tokens) the
-per-microbatch gradients are weighted by ``b_k / B`` instead (see
-:mod:`cbs_tracker.integrations.plain`).
-
-Caveats:
-
-* ``Trainer(max_steps=...)`` counts optimizer steps: after a doubling each step
-  consumes twice the data. Budget a run by epochs or tokens; schedulers sized in
-  steps (``OneCycleLR`` from ``estimated_stepping_batches``) are warned about.
-* A checkpoint is consistent at a window boundary (``ModelCheckpoint`` saves after
-  an optimizer step or at an epoch end); the microbatches of an unfinished window
-  are not saved (Lightning does not save their gradients either). Resuming
-  mid-epoch with a non-resumable DataLoader replays other batches (Lightning warns).
-* The learning-rate factor of a change (``lr_scaling`` of the controller) is applied
-  to the optimizer and the first LR scheduler attached to it.
-* With ``ddp_spawn`` the callback object in the launching process holds no state
-  after ``fit``: the ranks measured (read the logs or a checkpoint).
-* FSDP (``FSDPStrategy``, ``ModelParallelStrategy``) and DeepSpeed are refused (see
-  ``Raises`` of :class:`CBSCallback`); Lightning 2.6 runs FSDP on GPUs only.
-
-Hooks used (Lightning 2.x order): ``setup`` (conflicts refused) -> ``on_fit_start``
-(after the strategy wrapped the model: hooks registered, accumulation restored) ->
-per batch ``on_train_batch_start`` (count units) -> ``on_before_backward`` ->
-backward (tensor hooks) -> ``on_after_backward`` -> ``on_before_optimizer_step``
-(measure, decide, log) -> clipping -> ``optimizer.step`` -> ``on_train_batch_end``
-(apply a pending accumulation).
+The callback is hooks plus one decision, *when* a pending accumulation may take
+effect (after a step, at a batch where Lightning's counters stay aligned, or at an
+epoch start); the step engine does the rest. Facts it relies on: docs/design.md.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from cbs_tracker.integrations.plain import (
-    build_record,
-    reduce_window,
-    unscale_and_get_scale,
-    update_estimator,
-)
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -88,32 +26,14 @@ from torch import nn
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
+from cbs_tracker.core.measure import reduce_window, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
+from cbs_tracker.core.session import TrackingSession, check_size
 from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
 from cbs_tracker.core.units import BatchSizeFn, label_tokens, leading_dim
+from cbs_tracker.policy.lr import COUPLINGS, ScheduleTimer
 
-__all__ = ["CBSCallback", "label_tokens", "leading_dim"]  # the last two live in cbs_tracker.core.units
-
-CALLBACK_STATE_VERSION = 1
-
-
-# Schedulers sized in optimizer steps: when the accumulation grows, fewer optimizer
-# steps are taken and the schedule does not finish (attribute holding the length).
-_STEP_SIZED_SCHEDULERS = {
-    "OneCycleLR": "total_steps",
-    "CosineAnnealingLR": "T_max",
-    "LinearLR": "total_iters",
-    "PolynomialLR": "total_iters",
-    "ConstantLR": "total_iters",
-}
-
-
-def _flatten_schedulers(scheduler: Any) -> list[Any]:
-    """The scheduler and, for ``SequentialLR`` / ``ChainedScheduler``, the ones inside it."""
-    out = [scheduler]
-    for child in getattr(scheduler, "_schedulers", None) or ():
-        out.extend(_flatten_schedulers(child))
-    return out
+__all__ = ["CBSCallback", "label_tokens", "leading_dim"]
 
 
 class CBSCallback(Callback):
@@ -122,32 +42,37 @@ class CBSCallback(Callback):
     Args:
         controller: ``"auto"`` (default) builds a
             :class:`~cbs_tracker.policy.controller.BatchSizeController` with its defaults;
-            pass a configured one, or ``None`` to measure and log only.
-        observe_only: never change the accumulation. With ``controller="auto"`` the
-            controller is built with ``observe_only=True`` (it still reports its
-            critical batch); with an explicit controller pass
-            ``BatchSizeController(observe_only=True)`` instead.
-        batch_size_fn: ``fn(batch) -> units`` of one microbatch on one rank (an int,
-            a float or a 0-d tensor, kept on the device). Default: the leading
-            dimension of the batch's first tensor (:func:`leading_dim`). For a language
-            model, :func:`label_tokens` counts loss-contributing tokens.
-        unit: ``"samples"`` or ``"tokens"``: what ``batch_size_fn`` counts and the unit of
-            every reported size. ``None`` (default): ``"samples"`` with the default
-            counter, ``"tokens"`` with a ``batch_size_fn``.
+            pass a configured instance, or ``None`` to measure and log only.
+        observe_only: never change the accumulation (with ``controller="auto"`` the
+            controller is built with ``observe_only=True`` and still reports its target).
+        batch_size_fn: ``fn(batch) -> units`` of one microbatch on one rank (a number or a
+            one-element tensor, kept on the device). Default: the leading dimension of the
+            batch's first tensor (:func:`leading_dim`); :func:`label_tokens` counts
+            loss-contributing tokens.
+        unit: ``"samples"`` or ``"tokens"``; ``None`` (default): ``"samples"`` with the
+            default counter, ``"tokens"`` with a ``batch_size_fn``.
         rescale_short_window: multiply the gradient of a short last window of an epoch
-            (``K < A`` microbatches, each divided by ``A`` by Lightning, issue #19987)
-            by ``A / K`` before clipping and the step, so it is the window's mean
-            gradient. Default ``False`` (Lightning's behaviour; the window is measured
-            with its real size either way).
-        preconditioner: ``None`` (raw gradients) or ``"adam"``: measure
-            ``g / (sqrt(v_hat) + eps)`` with the optimizer's second moments.
+            (``K < A`` microbatches, each divided by ``A`` by Lightning) by ``A / K`` before
+            clipping and the step. Default ``False`` (the window is measured right either way).
+        preconditioner: ``None`` or ``"adam"``: measure ``g / (sqrt(v_hat) + eps)``.
         estimator: a configured :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`.
         process_group: the data-parallel group (default: all ranks of the run).
-        log_every_n_steps: write the ``cbs/`` tags to the Trainer's loggers every this
-            many optimizer steps; ``None`` (default) uses ``Trainer(log_every_n_steps)``.
-            Steps at which the accumulation changes are always written.
+        log_every_n_steps: write the ``cbs/`` tags every this many optimizer steps;
+            ``None`` uses ``Trainer(log_every_n_steps)``. Changes are always written.
         prog_bar: show ``cbs/noise_scale`` and ``cbs/global_batch_{unit}`` on the progress bar.
         name: distinguishes the checkpoint state of several instances (``state_key``).
+        lr_coupling: ``"auto"`` (default: LR x sqrt(B/B0) for Adam-family optimizers, x B/B0
+            for SGD), ``"keep"``, ``"sqrt"`` or ``"linear"``.
+        cap_lr_at_peak: never let the coupling raise the LR above the schedule's peak.
+        retime_schedulers: keep every LR scheduler of the Trainer on its timing in units
+            seen (default ``True``): an ``interval="step"`` scheduler sized in optimizer steps
+            at the starting accumulation (e.g. from ``estimated_stepping_batches``) advances
+            by the starting-batch steps each optimizer step held, so it ends with the data.
+        max_tokens: stop the run once this many units were consumed (all ranks).
+
+    Under growth, ``Trainer(max_steps=N)`` means N optimizer steps **at the starting
+    accumulation**: the callback stops the run once the units of N such steps were
+    consumed, the same data a run without growth would see.
 
     Raises:
         TypeError / ValueError: on bad arguments (the message names the argument).
@@ -170,9 +95,18 @@ class CBSCallback(Callback):
         log_every_n_steps: int | None = None,
         prog_bar: bool = True,
         name: str | None = None,
+        lr_coupling: str | None = "auto",
+        cap_lr_at_peak: bool = False,
+        retime_schedulers: bool = True,
+        max_tokens: float | None = None,
     ) -> None:
         if not isinstance(observe_only, bool):
             raise TypeError(f"CBSCallback(observe_only={observe_only!r}): expected True or False")
+        if isinstance(controller, type):
+            raise TypeError(
+                f"CBSCallback(controller={controller.__name__}): pass an instance, e.g. "
+                f"controller={controller.__name__}(), not the class"
+            )
         if isinstance(controller, str):
             if controller != "auto":
                 raise ValueError(
@@ -204,9 +138,10 @@ class CBSCallback(Callback):
             raise TypeError(f"CBSCallback(rescale_short_window={rescale_short_window!r}): expected True or False")
         if preconditioner not in (None, "adam"):
             raise ValueError(f"CBSCallback(preconditioner={preconditioner!r}): must be None or 'adam'")
-        if estimator is not None and not isinstance(estimator, NoiseScaleEstimator):
+        if isinstance(estimator, type) or (estimator is not None and not callable(getattr(estimator, "update", None))):
             raise TypeError(
-                f"CBSCallback(estimator={type(estimator).__name__}): expected a NoiseScaleEstimator or None"
+                f"CBSCallback(estimator={getattr(estimator, '__name__', type(estimator).__name__)}): expected a "
+                "NoiseScaleEstimator or None"
             )
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
@@ -216,6 +151,16 @@ class CBSCallback(Callback):
             raise TypeError(f"CBSCallback(prog_bar={prog_bar!r}): expected True or False")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"CBSCallback(name={name!r}): expected a str or None")
+        if lr_coupling is not None and lr_coupling not in COUPLINGS:
+            raise ValueError(f"CBSCallback(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
+        for flag, value in (("cap_lr_at_peak", cap_lr_at_peak), ("retime_schedulers", retime_schedulers)):
+            if not isinstance(value, bool):
+                raise TypeError(f"CBSCallback({flag}={value!r}): expected True or False")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)) or not max_tokens > 0
+            or not math.isfinite(max_tokens)
+        ):
+            raise ValueError(f"CBSCallback(max_tokens={max_tokens!r}): must be a finite number > 0 or None")
 
         self.controller = controller
         self.observe_only = observe_only
@@ -228,26 +173,22 @@ class CBSCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
         self.name = name
+        self.lr_coupling = lr_coupling
+        self.cap_lr_at_peak = cap_lr_at_peak
+        self.retime_schedulers = retime_schedulers
+        self.max_tokens = None if max_tokens is None else float(max_tokens)
 
+        self.session: TrackingSession | None = None
         self.collector: GradStatsCollector | None = None
         self.dp_group: Any | None = None
-        self.dp_degree = 1
         self._avg_ranks = 1
         self._transform: Any = None
         self._params: list[nn.Parameter] = []
-        self._step = 0
-        self._tokens_seen = 0.0
-        self._accumulation = 1  # trainer.accumulate_grad_batches as last set (Lightning does not save it)
-        self._pending: int | None = None  # decided accumulation not yet applied
-        self._pending_lr_factor = 1.0
-        self._warned_single = False
-        self._restored: dict[str, Any] | None = None  # checkpoint state waiting for the trainer
+        self._epoch_timers: list[ScheduleTimer] = []
         self._micro_size: float | torch.Tensor = 0.0
         self._window_divisors: set[int] = set()
         self._stepped = False
-        self.last_record: StepRecord | None = None
-        self.last_stats: StepStats | None = None
-        self.last_decision: Any | None = None
+        self._restored: dict[str, Any] | None = None  # checkpoint state waiting for the session
         self.applied_changes: list[tuple[int, int, int]] = []  # (step, batch_idx or -1, new A)
 
     # ------------------------------------------------------------------ public state
@@ -263,25 +204,50 @@ class CBSCallback(Callback):
         return self.estimator.noise_scale
 
     @property
+    def noise_scale_interval(self) -> tuple[float, float] | None:
+        """90% confidence interval of :attr:`noise_scale` (``None`` until measurable)."""
+        return getattr(self.estimator, "noise_scale_interval", None)
+
+    @property
+    def dp_degree(self) -> int:
+        return 1 if self.session is None else self.session.dp_degree
+
+    @property
     def tokens_seen(self) -> float:
         """Units (see :attr:`unit`) consumed by all DP ranks in measured steps so far."""
-        return self._tokens_seen
+        return 0.0 if self.session is None else self.session.units_seen
 
     @property
     def steps(self) -> int:
-        """Optimizer steps measured so far (equals ``trainer.global_step`` when attached from the start)."""
-        return self._step
+        """Optimizer steps measured so far (``trainer.global_step`` when attached from the start)."""
+        return 0 if self.session is None else self.session.step
+
+    @property
+    def starting_batch_steps(self) -> int:
+        """Optimizer steps counted at the starting accumulation (the schedulers' position)."""
+        return 0 if self.session is None else self.session.starting_batch_steps
 
     @property
     def pending_accumulation_steps(self) -> int | None:
         """A decided accumulation waiting for a safe batch to take effect, else ``None``."""
-        return self._pending
+        return None if self.session is None else self.session.pending_accumulation
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        return None if self.session is None else self.session.last_record
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return None if self.session is None else self.session.last_stats
+
+    @property
+    def last_decision(self) -> Any | None:
+        return None if self.session is None else self.session.last_decision
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        self._check_configuration(trainer, pl_module)
+        if stage == "fit":
+            self._check_configuration(trainer, pl_module)
 
     def _check_configuration(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -319,77 +285,92 @@ class CBSCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_configuration(trainer, pl_module)
         self.dp_group = cbs_dist.resolve_dp_group(self.process_group)
-        self.dp_degree = cbs_dist.group_size(self.dp_group)
-        # DDP averages the gradients over its ranks (all ranks: Lightning's DDP uses the world).
+        # DDP averages the gradients over its ranks (Lightning's DDP uses the world).
         self._avg_ranks = trainer.world_size if trainer.world_size > 1 else 1
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
         if self.preconditioner == "adam":
-            if not trainer.optimizers:
+            if optimizer is None:
                 raise RuntimeError("CBSCallback(preconditioner='adam'): the Trainer has no optimizer")
-            self._transform = adam_preconditioner(trainer.optimizers[0])
-        if self.collector is not None:
-            self.collector.remove()
+            self._transform = adam_preconditioner(optimizer)
+        self._remove_hooks()
+        self.session = TrackingSession(
+            owner="CBSCallback",
+            unit=self.unit,
+            starting_accumulation=int(trainer.accumulate_grad_batches),
+            dp_degree=cbs_dist.group_size(self.dp_group),
+            estimator=self.estimator,
+            controller=self.controller,
+            optimizer=optimizer,
+            lr_coupling=self.lr_coupling,
+            cap_lr_at_peak=self.cap_lr_at_peak,
+            warn=lambda message: rank_zero_warn(message, category=UserWarning),
+        )
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError("CBSCallback: the LightningModule has no parameter with requires_grad=True")
         self.collector = GradStatsCollector(self._params, transform=self._transform)
-        self._accumulation = int(trainer.accumulate_grad_batches)
         self._apply_restored(trainer)
-        self._warn_schedulers(trainer)
-        if trainer.accumulate_grad_batches * self.dp_degree < 2 and not self._warned_single:
-            self._warned_single = True
-            rank_zero_warn(
+        if self.session.starting_accumulation * self.session.dp_degree < 2:
+            self.session.warn_once(
+                "single_microbatch",
                 "CBSCallback: each optimizer step has a single microbatch (Trainer(accumulate_grad_batches=1) "
                 "on one data-parallel rank), so there is no second batch size and the noise scale is not "
                 "measured (nor the batch grown). Use accumulate_grad_batches >= 2 (e.g. halve the "
                 "DataLoader's batch_size and set accumulate_grad_batches=2) or more data-parallel ranks.",
-                category=UserWarning,
             )
+        if self._can_grow() and trainer.max_steps is not None and trainer.max_steps > 0:
+            self.session.warn_once(
+                "max_steps",
+                f"CBSCallback: Trainer(max_steps={trainer.max_steps}) counts optimizer steps, and a grown "
+                "batch makes each step hold more data. CBSCallback stops the run once the data of "
+                f"{trainer.max_steps} steps at the starting accumulation "
+                f"(accumulate_grad_batches={self.session.starting_accumulation}) was consumed, the same data "
+                "as a run without growth. Use CBSCallback(max_tokens=...) to give the budget in units.",
+            )
+
+    def _can_grow(self) -> bool:
+        return self.controller is not None and not getattr(self.controller, "observe_only", False)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Strategies that restore the checkpoint after setup load it after on_fit_start.
         self._apply_restored(trainer)
+        session = self.session
+        if session is None:
+            return
+        trainer.accumulate_grad_batches = session.accumulation_steps
+        if self.retime_schedulers and session.optimizer is not None:
+            self._attach_schedulers(trainer)
+        batches = trainer.num_training_batches
+        if isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1 and self._can_grow():
+            cap = session.starting_accumulation
+            while cap * 2 <= batches:
+                cap *= 2
+            session.limit_accumulation(
+                max(cap, session.accumulation_steps),
+                f"an epoch holds {int(batches)} batches, and a window never spans two epochs",
+            )
+
+    def _attach_schedulers(self, trainer: pl.Trainer) -> None:
+        session = self.session
+        assert session is not None
+        for config in trainer.lr_scheduler_configs:
+            if getattr(config.scheduler, "optimizer", None) is not session.optimizer:
+                continue
+            if config.interval == "step" and session.timer is None:
+                session.attach_scheduler(config.scheduler)
+            elif config.interval == "epoch":
+                timer = ScheduleTimer(config.scheduler, session.optimizer, owner="CBSCallback",
+                                      cap_at_peak=self.cap_lr_at_peak)
+                timer.coupling = session.coupling
+                self._epoch_timers.append(timer)
 
     def _apply_restored(self, trainer: pl.Trainer) -> None:
-        state = self._restored
-        if state is None or self.collector is None:
+        state, session = self._restored, self.session
+        if state is None or session is None:
             return
         self._restored = None
-        if int(state["dp_degree"]) != self.dp_degree:
-            raise ValueError(
-                f"CBSCallback: the checkpoint was taken with dp_degree={state['dp_degree']} but this run has "
-                f"dp_degree={self.dp_degree}; accumulate_grad_batches={state['accumulation_steps']} would give "
-                "a different global batch. Resume with the same number of data-parallel ranks."
-            )
-        trainer.accumulate_grad_batches = int(state["accumulation_steps"])
-        self._accumulation = int(state["accumulation_steps"])
-
-    def _warn_schedulers(self, trainer: pl.Trainer) -> None:
-        if self.controller is None or getattr(self.controller, "observe_only", False):
-            return
-        estimated: float | None = None
-        for config in trainer.lr_scheduler_configs:
-            if config.interval != "step":
-                continue
-            for sched in _flatten_schedulers(config.scheduler):
-                attr = _STEP_SIZED_SCHEDULERS.get(type(sched).__name__)
-                if attr is None:
-                    continue
-                length = getattr(sched, attr, None)
-                if type(sched).__name__ != "OneCycleLR":
-                    if estimated is None:
-                        try:
-                            estimated = float(trainer.estimated_stepping_batches)
-                        except Exception:  # only used to decide whether to warn
-                            estimated = math.nan
-                    if not (isinstance(length, (int, float)) and length >= 0.5 * estimated):
-                        continue  # a short warm-up is not sized by the run's step count
-                rank_zero_warn(
-                    f"CBSCallback: the LR scheduler {type(sched).__name__}({attr}={length}) is sized in "
-                    "optimizer steps (e.g. from Trainer.estimated_stepping_batches, computed with "
-                    f"accumulate_grad_batches={trainer.accumulate_grad_batches}). When CBSCallback grows the "
-                    "accumulation, fewer optimizer steps are taken and the schedule will not reach its end. "
-                    "Size it in tokens (e.g. a LambdaLR on the callback's tokens_seen), or use "
-                    "CBSCallback(observe_only=True).",
-                    category=UserWarning,
-                )
+        session.load_state_dict(state)
+        trainer.accumulate_grad_batches = session.accumulation_steps
 
     # ------------------------------------------------------------------ per batch
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -398,56 +379,66 @@ class CBSCallback(Callback):
         if self.collector is not None and self.collector.num_microbatches:
             self.collector.reset_window()
         self._window_divisors.clear()
-        if self._pending is not None:
-            # any value is safe here: batch_idx restarts at 0 (a zero_grad batch)
-            self._apply_pending(trainer, batch_idx=-1)
+        if self.session is not None and self.session.pending_accumulation is not None:
+            self._apply_pending(trainer, batch_idx=-1)  # any value is safe: batch_idx restarts at 0
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for timer in self._epoch_timers:
+            timer.owe(1)  # epoch schedulers step after this hook, once per epoch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         size = self.batch_size_fn(batch)
-        if not isinstance(size, torch.Tensor):
-            if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0:
-                raise ValueError(
-                    f"CBSCallback(batch_size_fn=...) returned {size!r} for batch {batch_idx}: expected a "
-                    "number >= 0 or a 0-d tensor"
-                )
-        self._micro_size = size
+        try:
+            self._micro_size = check_size(size, owner="CBSCallback(batch_size_fn=...)")
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"CBSCallback(batch_size_fn=...) returned {size!r} for batch {batch_idx}: expected a number >= 0 "
+                "or a one-element tensor"
+            ) from err
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self.collector is None:
             return
+        if self.collector.num_microbatches == 0:
+            self._refresh_params(pl_module)
         # Lightning divided this microbatch's loss by the value it reads right now.
         self._window_divisors.add(int(trainer.accumulate_grad_batches))
         self.collector.begin_microbatch()
 
+    def _refresh_params(self, pl_module: pl.LightningModule) -> None:
+        """At a window's first backward: hook parameters that became trainable (gradual unfreezing)."""
+        assert self.collector is not None
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        for p in params:
+            self.collector.hook(p)  # once per object
+        self._params = params
+
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.collector is None:
-            return
-        self.collector.end_microbatch(self._micro_size)
+        if self.collector is not None:
+            self.collector.end_microbatch(self._micro_size)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self.collector is None:
+        session = self.session
+        if self.collector is None or session is None:
             return
         self._stepped = True
         divisors = sorted(self._window_divisors)
         self._window_divisors.clear()
         divisor = divisors[-1] if divisors else int(trainer.accumulate_grad_batches)
         local_k = self.collector.num_microbatches
-        scale = self._loss_scale(trainer, optimizer)
-        stats = reduce_window(
+        stats, faults = reduce_window(
             self.collector,
             self._params,
             dp_group=self.dp_group,
             loss_divisor=float(divisor),
             avg_ranks=self._avg_ranks,
-            scale=scale,
+            scale=self._loss_scale(trainer, optimizer),
             transform=self._transform,
         )
         if len(divisors) > 1:
-            # someone else changed accumulate_grad_batches inside the window: the 1/A factors differ
-            stats = StepStats(stats.small_sq_norm, stats.big_sq_norm, stats.num_microbatches,
-                              stats.small_batch, stats.units, finite=False)
+            stats = dataclasses.replace(stats, finite=False)  # mixed 1/A factors: not measurable
             rank_zero_warn(
                 f"CBSCallback: trainer.accumulate_grad_batches changed inside an accumulation window "
                 f"(values {divisors}); the step is not measured. Only CBSCallback should change it.",
@@ -458,55 +449,25 @@ class CBSCallback(Callback):
             grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, divisor / local_k)
-        self._record_step(trainer, pl_module, optimizer, stats)
+        record = session.finish_step(
+            stats, faults, window_accumulation=divisor, estimate_allowed=len(divisors) <= 1,
+            lr=float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else None,
+        )
+        changed = session.changed_this_step
+        if changed:
+            rank_zero_info(
+                f"CBSCallback step {record.step}: accumulate_grad_batches {trainer.accumulate_grad_batches} -> "
+                f"{session.pending_accumulation} ({getattr(session.last_decision, 'reason', '')})"
+            )
+        self._log(trainer, pl_module, record, force=changed)
 
     def _loss_scale(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is None or not scaler.is_enabled():
             return None
         # Lightning unscales before on_before_optimizer_step except for optimizers that unscale
-        # inside step() (fused); unscale_and_get_scale unscales those here so the big norm is unscaled too.
+        # inside step() (fused); unscale_and_get_scale unscales those here.
         return unscale_and_get_scale(scaler, optimizer)
-
-    def _record_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, stats: StepStats
-    ) -> None:
-        self._step += 1
-        self._tokens_seen += stats.units
-        self.last_stats = stats
-        k_per_rank = max(1, int(round(stats.num_microbatches / max(self.dp_degree, 1))))
-
-        estimate = update_estimator(self.estimator, stats)
-
-        critical = None
-        changed = False
-        if self.controller is not None and stats.units > 0:
-            decision = self.controller.update(
-                step=self._step,
-                tokens_seen=self._tokens_seen,
-                global_batch=stats.units,
-                accumulation_steps=k_per_rank,
-                noise_scale=self.estimator.noise_scale,
-            )
-            self.last_decision = decision
-            critical = decision.critical_batch
-            if decision.changed and not self.observe_only:
-                changed = True
-                self._pending = int(decision.accumulation_steps)
-                self._pending_lr_factor *= float(decision.lr_factor)
-                rank_zero_info(
-                    f"CBSCallback step {self._step}: accumulate_grad_batches "
-                    f"{trainer.accumulate_grad_batches} -> {self._pending} ({decision.reason})"
-                )
-
-        lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else None
-        record = build_record(
-            stats, self.estimator, estimate, step=self._step, tokens_seen=self._tokens_seen, unit=self.unit,
-            accumulation_steps=k_per_rank, dp_degree=self.dp_degree, critical_batch=critical, lr=lr,
-            next_accumulation_steps=self._pending if self._pending is not None else int(trainer.accumulate_grad_batches),
-        )
-        self.last_record = record
-        self._log(trainer, pl_module, record, force=changed)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepRecord, *, force: bool) -> None:
         if self.prog_bar:
@@ -532,30 +493,35 @@ class CBSCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stepped, self._stepped = self._stepped, False
-        if self._pending is None or not stepped:
+        session = self.session
+        if session is None or not stepped:
             return
+        self._check_budget(trainer)
+        new = session.pending_accumulation
         # Lightning steps when (batch_idx + 1) % A == 0 and zero-grads when batch_idx % A == 0:
         # the new value keeps both true for the next window only if it divides batch_idx + 1.
-        if (batch_idx + 1) % self._pending == 0:
+        if new is not None and (batch_idx + 1) % new == 0:
             self._apply_pending(trainer, batch_idx)
 
+    def _check_budget(self, trainer: pl.Trainer) -> None:
+        session = self.session
+        assert session is not None
+        if self.max_tokens is not None and session.units_seen >= self.max_tokens:
+            trainer.should_stop = True
+        max_steps = trainer.max_steps
+        if self._can_grow() and max_steps is not None and max_steps > 0 and session.starting_batch_steps >= max_steps:
+            trainer.should_stop = True
+
     def _apply_pending(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        new = self._pending
+        session = self.session
+        assert session is not None
+        new = session.apply_pending()
         if new is None:
             return
-        self._pending = None
         trainer.accumulate_grad_batches = new
-        self._accumulation = new
-        self.applied_changes.append((self._step, batch_idx, new))
-        factor, self._pending_lr_factor = self._pending_lr_factor, 1.0
-        if factor != 1.0 and trainer.optimizers:
-            from cbs_tracker.policy.lr import apply_lr_factor
-
-            optimizer = trainer.optimizers[0]
-            # the factor multiplies what the scheduler sets (see apply_lr_factor)
-            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs
-                          if getattr(c.scheduler, "optimizer", None) is optimizer]
-            apply_lr_factor(optimizer, factor, schedulers[0] if schedulers else None)
+        self.applied_changes.append((session.step, batch_idx, new))
+        for timer in self._epoch_timers:
+            timer.set_coupling(session.coupling)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_hooks()
@@ -568,58 +534,48 @@ class CBSCallback(Callback):
         if self.collector is not None:
             self.collector.remove()
             self.collector = None
+        if self.session is not None:
+            self.session.detach_scheduler()
+        for timer in self._epoch_timers:
+            timer.detach()
+        self._epoch_timers.clear()
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The state that continues the same schedule: small, plain numbers, a version.
+        """The engine's state (small, plain numbers, versioned); Lightning does not save the accumulation."""
+        if self.session is None:
+            if self._restored is not None:
+                return dict(self._restored)
+            return self._scratch_session(1).state_dict()
+        return self.session.state_dict()
 
-        ``accumulation_steps`` is saved because Lightning does not checkpoint
-        ``trainer.accumulate_grad_batches``; a decided but not yet applied value is
-        kept as ``pending_accumulation_steps`` (0: none).
-        """
-        return {
-            "version": CALLBACK_STATE_VERSION,
-            "unit": self.unit,
-            "step": self._step,
-            "tokens_seen": self._tokens_seen,
-            "accumulation_steps": self._accumulation,
-            "pending_accumulation_steps": 0 if self._pending is None else self._pending,
-            "pending_lr_factor": self._pending_lr_factor,
-            "dp_degree": self.dp_degree,
-            "warned_single": self._warned_single,
-            "estimator": self.estimator.state_dict(),
-            "controller": None if self.controller is None else self.controller.state_dict(),
-        }
+    def _scratch_session(self, dp_degree: int) -> TrackingSession:
+        """A session on copies of the estimator and controller (state checks before ``fit``)."""
+        return TrackingSession(
+            owner="CBSCallback", unit=self.unit, starting_accumulation=1, dp_degree=dp_degree,
+            estimator=copy.deepcopy(self.estimator), controller=copy.deepcopy(self.controller),
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; ``trainer.accumulate_grad_batches`` is set at fit start.
+        """Restore :meth:`state_dict` output; ``trainer.accumulate_grad_batches`` is set at train start.
 
         Raises:
-            KeyError: a required key is missing.
-            ValueError: the version is newer than this code, or the unit differs.
+            KeyError / TypeError / ValueError: a missing key, a wrong type, an unknown version,
+                another unit or data-parallel degree (see
+                :meth:`~cbs_tracker.core.session.TrackingSession.load_state_dict`).
         """
-        required = ("version", "step", "tokens_seen", "accumulation_steps", "dp_degree", "estimator")
-        missing = [k for k in required if k not in state_dict]
-        if missing:
-            raise KeyError(f"CBSCallback.load_state_dict: missing keys {missing}")
-        if int(state_dict["version"]) > CALLBACK_STATE_VERSION:
+        if not state_dict:
+            return
+        if state_dict.get("unit", self.unit) != self.unit:
             raise ValueError(
-                f"CBSCallback.load_state_dict: state version {state_dict['version']} is newer than "
-                f"{CALLBACK_STATE_VERSION}; upgrade cbs-tracker"
+                f"CBSCallback.load_state_dict: the checkpoint counts {state_dict.get('unit')} but this callback "
+                f"counts {self.unit} (unit={self.unit!r}); the noise scale and batch sizes would mix units"
             )
-        unit = state_dict.get("unit", self.unit)
-        if unit != self.unit:
-            raise ValueError(
-                f"CBSCallback.load_state_dict: the checkpoint counts {unit} but this callback counts "
-                f"{self.unit} (unit={self.unit!r}); the noise scale and batch sizes would mix units"
-            )
-        self._step = int(state_dict["step"])
-        self._tokens_seen = float(state_dict["tokens_seen"])
-        pending = int(state_dict.get("pending_accumulation_steps", 0))
-        self._pending = pending if pending > 0 else None
-        self._pending_lr_factor = float(state_dict.get("pending_lr_factor", 1.0))
-        self._warned_single = bool(state_dict.get("warned_single", False))
-        self.estimator.load_state_dict(state_dict["estimator"])
-        if self.controller is not None and state_dict.get("controller") is not None:
-            self.controller.load_state_dict(state_dict["controller"])
+        if self.session is not None:
+            self.session.load_state_dict(state_dict)
+            return
+        # before fit: check everything now (on copies); the data-parallel degree is checked at fit
+        dp = state_dict.get("dp_degree", 1)
+        dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else 1
+        self._scratch_session(dp).load_state_dict(dict(state_dict))
         self._restored = dict(state_dict)

@@ -152,6 +152,7 @@ class TrackingSession:
         self.last_record: StepRecord | None = None
         self.last_stats: StepStats | None = None
         self.last_decision: Any | None = None
+        self.changed_this_step = False
         self._warned: set[str] = set()
         self._sanity = [0, 0.0, 0.0, 0.0]  # measured steps, sum small, sum big, sum K
 
@@ -340,7 +341,7 @@ class TrackingSession:
             noise_scale_high=high,
             scheduled_lr=None if lr is None else lr / self.coupling,
             lr_coupling=self.coupling if self.optimizer is not None else None,
-            lr_conversions=getattr(self.last_decision, "lr_conversions", None),
+            lr_conversions=None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0),
         )
         self.last_record = record
         self.changed_this_step = changed
@@ -458,10 +459,12 @@ class TrackingSession:
         if missing:
             raise KeyError(f"{where}: missing keys {missing}")
         version = state["version"]
-        if isinstance(version, bool) or not isinstance(version, int) or version not in (1, SESSION_STATE_VERSION):
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SESSION_STATE_VERSION:
+            newer = isinstance(version, int) and not isinstance(version, bool) and version > SESSION_STATE_VERSION
             raise ValueError(
-                f"{where}: state version {version!r} is not one this cbs-tracker reads (1 or "
-                f"{SESSION_STATE_VERSION}); a newer one needs a newer cbs-tracker"
+                f"{where}: state version {version!r} is "
+                + (f"newer than {SESSION_STATE_VERSION}; upgrade cbs-tracker" if newer
+                   else f"not a version this cbs-tracker writes (an int from 1 to {SESSION_STATE_VERSION})")
             )
         unit = state.get("unit", self.unit)
         if unit != self.unit:
