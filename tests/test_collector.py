@@ -302,3 +302,29 @@ def test_distributed_collector_matches_per_parameter_norms(spawned, name):
     if name.startswith("fsdp"):
         assert spawned[name][0]["hooks"] > 0
 
+
+
+def test_reentrant_checkpoint_firing_a_hook_per_segment_matches_per_parameter_norms():
+    """A weight used in two reentrant-checkpointed segments gets one gradient per segment."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    other = torch.nn.Parameter(torch.randn(8, 8))
+    collector = GradStatsCollector([w, other], bucket_bytes=10**6)
+    ref = cw.PerParameterReference()
+    ref.hook(w)
+    ref.hook(other)
+
+    def segment(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ w)
+
+    x = torch.randn(4, 8)
+    for _ in range(2):  # from .grad None (stolen), then accumulating
+        collector.begin_microbatch()
+        ref.begin()
+        h = torch.utils.checkpoint.checkpoint(segment, x @ other, use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(segment, h, use_reentrant=True)
+        h.pow(2).sum().backward()
+        collector.end_microbatch(4.0)
+        ref.end()
+        assert collector.hooks_fired_in_last_microbatch == 3  # w once per segment, other once
+    assert [float(t) for t in collector.microbatch_sq_norms()] == pytest.approx(ref.sq, rel=1e-6)
