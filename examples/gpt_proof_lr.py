@@ -148,6 +148,8 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
         if tokens >= next_eval:
             record_eval(step, tokens)
             next_eval += setting.eval_every_tokens
+            print(f"{run.name}: step {step}, {tokens:.0f} tokens, batch {record.global_batch:.0f}, "
+                  f"val loss {evals['val_loss'][-1]:.4f}, lr {record.lr:.2e}", flush=True)
     if evals["step"][-1] != step:
         record_eval(step, tokens)
     result = {
@@ -157,7 +159,7 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
         "final_batch_tokens": None if record is None else record.global_batch,
         "lr_conversions": None if record is None else record.lr_conversions,
         "train_time_s": round(time.time() - t0, 1), "evals": evals, "trace": trace,
-        "setting": setting.name, "setting_key": setting.key(),
+        "setting": setting.name, "setting_key": setting.key(), "library_commit": base._library_commit(),
     }
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "runs" / f"{run.name}.json").write_text(json.dumps(result))
