@@ -28,6 +28,8 @@ from torch import nn
 from cbs_tracker import CBSTracker, NoiseScaleEstimator
 from cbs_tracker.policy.controller import BatchSizeController
 
+_ALL_REDUCE = dist.all_reduce  # the comm hook's own all-reduce, invisible to CollectiveLog
+
 D_IN = 6
 HIDDEN = 8
 LR = 0.05
@@ -86,6 +88,7 @@ def train(
     nan_at: tuple[int, int] | None = None,
     available: Any = None,
     manual_sync_group: Any = None,
+    log: CollectiveLog | None = None,
 ) -> list[dict[str, Any]]:
     """The loop shared by the distributed ranks and the single-process reference.
 
@@ -93,7 +96,7 @@ def train(
     rank (rank-major), with ``accumulation_steps`` = ``dp_size`` times a rank's.
     ``available(step, dp_rank, index)`` says whether that microbatch exists (data
     that runs out). ``manual_sync_group``: an unwrapped replicated model whose loop
-    averages the gradients itself.
+    averages the gradients itself. ``log``: counts communication, one entry per step.
     """
     records = []
     for step in range(steps):
@@ -123,6 +126,8 @@ def train(
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         records.append(record_dict(rec))
+        if log is not None:
+            log.end_step()
     return records
 
 
@@ -173,6 +178,64 @@ def bf16_reference(*, steps: int, dp_size: int) -> list[dict[str, float]]:
     return out
 
 
+# ---------------------------------------------------------------------------- counting communication
+class CollectiveLog:
+    """Every ``torch.distributed`` collective called from Python, and every DDP bucket sync, per optimizer step.
+
+    DDP's gradient all-reduce runs in its C++ reducer, invisible to Python, unless a
+    communication hook replaces it: :meth:`ddp_hook` does the default's work (average
+    over the group) and records the bucket's index each time the reducer hands a
+    bucket over, i.e. each gradient sync. The hook calls the all-reduce saved at import,
+    so the wrapped ``torch.distributed`` functions count only the others (the tracker's).
+    """
+
+    PREFIXES = ("all_", "reduce", "broadcast", "gather", "scatter", "barrier", "monitored_barrier",
+                "send", "recv", "isend", "irecv")
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, list]] = []
+        self._calls: list[list[Any]] = []
+        self._buckets: list[int] = []
+        self._originals: list[tuple[str, Any]] = []
+
+    def install(self) -> None:
+        for name in dir(dist):
+            fn = getattr(dist, name)
+            if name.startswith(self.PREFIXES) and callable(fn) and not isinstance(fn, type):
+                self._originals.append((name, fn))
+                setattr(dist, name, self._wrap(name, fn))
+
+    def uninstall(self) -> None:
+        for name, fn in self._originals:
+            setattr(dist, name, fn)
+        self._originals.clear()
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            self._calls.append([name, tensors[0].numel() if tensors else 0,
+                                str(tensors[0].dtype) if tensors else "", str(kwargs.get("op", args[1:2]))])
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def ddp_hook(self) -> Any:
+        """The hook for ``register_comm_hook(group, hook)`` (unannotated: DDP checks annotations by identity)."""
+
+        def hook(group, bucket):  # noqa: ANN001, ANN202
+            self._buckets.append(bucket.index())
+            tensor = bucket.buffer()
+            tensor.div_(dist.get_world_size(group))
+            fut = _ALL_REDUCE(tensor, group=group, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        return hook
+
+    def end_step(self) -> None:
+        self.steps.append({"collectives": self._calls, "bucket_syncs": self._buckets})
+        self._calls, self._buckets = [], []
+
+
 # ---------------------------------------------------------------------------- ranks
 def init_process_group(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
@@ -216,12 +279,21 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
     payload: dict[str, Any] = {}
     if name in ("ddp", "ddp_static_bucket_view", "ddp_nonfinite"):
         kw = {"gradient_as_bucket_view": True, "static_graph": True} if name == "ddp_static_bucket_view" else {}
-        model = nn.parallel.DistributedDataParallel(make_model(), **kw)
+        # buckets of ~100 bytes: the 65 float64 parameters need several, so "once per bucket" is seen
+        model = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=1e-4, **kw)
+        log = CollectiveLog()
+        model.register_comm_hook(dist.group.WORLD, log.ddp_hook())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         tracker = CBSTracker(model, opt, accumulation_steps=acc, **common)
         nan_at = (3, 1) if name == "ddp_nonfinite" else None
-        payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world, nan_at=nan_at)
+        log.install()
+        try:
+            payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world, nan_at=nan_at,
+                                       log=log)
+        finally:
+            log.uninstall()
         payload["params"] = _full_params(model.module)
+        payload["communication"] = log.steps
     elif name in ("fsdp_last", "fsdp_every", "fsdp_nonfinite"):
         model = _fsdp_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)

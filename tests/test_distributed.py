@@ -4,7 +4,8 @@ Two spawns do all the distributed work (starting ranks costs seconds, mostly
 importing torch): 2 ranks run DDP (plain; ``gradient_as_bucket_view`` +
 ``static_graph``), FSDP2 in both sync modes, FSDP2 with bf16 parameters, a
 non-finite rank under DDP and FSDP2, a rank whose data runs out, and the
-FSDP2 configuration errors; 4 ranks run 2-D meshes (``dp x tp`` with DDP and
+FSDP2 configuration errors (the DDP runs also count their gradient syncs
+and the tracker's collectives per step); 4 ranks run 2-D meshes (``dp x tp`` with DDP and
 FSDP2, HSDP) and the mesh-layout errors. Each rank writes its records; the tests
 below compare them with :func:`tests.dist_workers.reference_run`, one process
 without ``torch.distributed`` running every rank's microbatches in one window.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,39 @@ def test_two_ranks_match_single_process(two_ranks, name):
     assert any(r["next_accumulation_steps"] != r["accumulation_steps"] for r in ref["records"])
     assert all(r["noise_scale"] is not None for r in ref["records"][1:])
     assert_same_run(two_ranks[name], ref, 2)
+
+
+def _readme_tracker_collective_bytes() -> int:
+    """The per-step communication the README's results table promises (bytes of one all_reduce)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    m = re.search(r"\*\*1 all_reduce of (\d+) bytes\*\*", readme)
+    assert m, "the README's communication claim moved"
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_nonfinite"])
+def test_ddp_syncs_each_bucket_once_per_step_and_the_tracker_adds_one_all_reduce(two_ranks, name):
+    """A comm hook sees every gradient sync; the wrapped ``torch.distributed`` sees the rest.
+
+    Without ``no_sync`` on all but the last microbatch each bucket would sync once per
+    microbatch (A = 2 or more times a step): the gloo comparison with the reference
+    gives the same numbers either way, so only counting shows it. With
+    ``static_graph=True`` the first window syncs every microbatch (DDP's reducer needs
+    one synced iteration). Besides, the tracker's only communication is one
+    all_reduce(SUM) of float64 numbers per step, also on the dropped step.
+    """
+    numbers = _readme_tracker_collective_bytes() // 8  # float64
+    for rank in two_ranks[name]:
+        accumulation = [r["accumulation_steps"] for r in rank["records"]]
+        widest = 0
+        for step, (comm, a) in enumerate(zip(rank["communication"], accumulation, strict=True)):
+            per_bucket = Counter(comm["bucket_syncs"])
+            assert sorted(per_bucket) == list(range(len(per_bucket))), (step, comm)  # every bucket
+            first_static = name == "ddp_static_bucket_view" and step == 0
+            assert set(per_bucket.values()) == {a if first_static else 1}, (step, a, comm)
+            assert comm["collectives"] == [["all_reduce", numbers, "torch.float64", str(dist.ReduceOp.SUM)]], step
+            widest = max(widest, len(per_bucket))
+        assert widest >= 2  # the small bucket cap splits the model, so "each bucket" is seen
 
 
 def test_fsdp_hooks_once_per_unsharded_parameter(two_ranks):
