@@ -1,6 +1,6 @@
 """BatchSizeController on synthetic noise-scale signals, its state dict, and apply_lr_factor.
 
-The signals are built to look like what the tracker feeds the controller (DESIGN §7):
+The signals are built to look like what the tracker feeds the controller:
 a stationary estimate that wanders near a threshold, rare 100-1000x spikes, a rising
 critical batch, and the feedback trap where the measured noise scale is ``10 * B``.
 Expected doubling positions are computed from the documented rule, not from the code.
@@ -164,7 +164,7 @@ def test_rising_estimate_doubles_at_the_expected_tokens():
 
 
 def test_noisy_gpt_like_rise_then_plateau_reaches_the_plateau_batch():
-    # Issue 7's small GPT: B_simple ~1.2k tokens at 0.25M, ~3k at 0.5M, then ~2.5k (2-3.3k)
+    # The small GPT: B_simple ~1.2k tokens at 0.25M, ~3k at 0.5M, then ~2.5k (2-3.3k)
     # to 5M tokens. From 512 the controller should reach 2048 (<= 2.5k / 1.1), no further,
     # and must not mistake the early rise for the feedback trap.
     rng = random.Random(3)
