@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from cbs_tracker.commands import positive_int
 from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 from cbs_tracker.integrations.plain import CBSTracker
@@ -42,15 +43,15 @@ def format_interval(low: float | None, high: float | None) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cbs-tracker demo", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=float, default=1.2e6, help="training budget in tokens (default 1.2M)")
-    p.add_argument("--micro-sequences", type=int, default=2, help="sequences per microbatch (default 2)")
-    p.add_argument("--seq-len", type=int, default=128, help="context length (default 128)")
-    p.add_argument("--accumulation", type=int, default=2, help="starting accumulation steps (default 2)")
+    p.add_argument("--micro-sequences", type=positive_int, default=2, help="sequences per microbatch (default 2)")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="context length (default 128)")
+    p.add_argument("--accumulation", type=positive_int, default=2, help="starting accumulation steps (default 2)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--max-bytes", type=int, default=None, help="use only the first N bytes of the corpus")
     p.add_argument("--observe-only", action="store_true", help="measure, never change the batch")
     p.add_argument("--logdir", default=None, help="also write TensorBoard logs here (needs tensorboard)")
-    p.add_argument("--print-every", type=int, default=25, help="print a line every N optimizer steps")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--print-every", type=positive_int, default=25, help="print a line every N optimizer steps")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
     return p
 

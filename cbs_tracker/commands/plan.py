@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from cbs_tracker.commands import open_unit_ratio
 from cbs_tracker.theory.schedule import (
     ScalingLaw,
     doubling_plan,
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="best constant batch at this budget (sets the noise/signal ratio); overrides --floor-ratio",
     )
     parser.add_argument(
-        "--floor-ratio", type=float, default=0.5,
+        "--floor-ratio", type=open_unit_ratio, default=0.5,
         help="noise floor of a constant b-min run as a fraction of the initial excess loss (default 0.5)",
     )
     parser.add_argument("--steps", type=int, default=None, help="use this number of optimizer steps T")
