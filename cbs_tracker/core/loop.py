@@ -147,7 +147,10 @@ class LoopTracker:
         return self.session.dp_degree if grads_averaged_over_ranks else 1
 
     def _trainable(self) -> list[nn.Parameter]:
-        return [p for p in self._module.parameters() if p.requires_grad]
+        # the module's parameters are listed once; their requires_grad is read every window
+        if getattr(self, "_all_params", None) is None:
+            self._all_params = list(self._module.parameters())
+        return [p for p in self._all_params if p.requires_grad]
 
     def _register_hooks(self) -> None:
         """Hook every trainable parameter; refuse a model with none."""
@@ -370,7 +373,7 @@ class LoopTracker:
         )
         self.collector.reset_window()
         self._window_index = 0
-        if stats.num_microbatches == 0 and stats.units == 0 and not faults.mismatched_ranks:
+        if faults.microbatches_run == 0:
             raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
         return self.session.finish_step(
             stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()

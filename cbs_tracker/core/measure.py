@@ -52,10 +52,13 @@ class WindowFaults:
         mismatched_ranks: ranks whose window ran a number of microbatches other than
             the one expected (0 when no expectation was given).
         invalid_sizes: microbatch sizes that were negative or not finite.
+        microbatches_run: microbatches run on all ranks, those without any
+            loss-contributing unit included (``StepStats.num_microbatches`` leaves them out).
     """
 
     mismatched_ranks: int = 0
     invalid_sizes: int = 0
+    microbatches_run: int = 0
 
 
 def reduce_window(
@@ -78,7 +81,7 @@ def reduce_window(
     all ranks (``R = avg_ranks`` when the sync averages). So
     ``|g_k|^2 = |h_k|^2 a^2 / S^2`` and ``|mean_k g_k|^2 = |.grad|^2 (R a / K)^2``, with
     ``K`` the microbatches really run (a short window is measured with its real size).
-    One ``all_reduce`` of 9 float64 numbers and one host sync.
+    One ``all_reduce`` of 10 float64 numbers and one host sync.
 
     Args:
         collector: the window's per-microbatch norms (not reset here).
@@ -125,10 +128,11 @@ def reduce_window(
             torch.tensor(float(unmeasurable), dtype=torch.float64, device=device),
             torch.tensor(float(mismatch), dtype=torch.float64, device=device),
             invalid.to(device).double(),
+            torch.tensor(float(local_k), dtype=torch.float64, device=device),
         ]
     )
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
-    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad = vec.tolist()  # one host sync
+    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran = vec.tolist()  # one host sync
     k = int(round(count))
     big_sq = big_total * (avg_ranks * float(loss_divisor) / max(k, 1)) ** 2
     stats = StepStats(
@@ -139,4 +143,6 @@ def reduce_window(
         units=units,
         finite=nonfinite == 0 and unmeas == 0 and math.isfinite(big_sq),
     )
-    return stats, WindowFaults(mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)))
+    return stats, WindowFaults(
+        mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran))
+    )

@@ -253,7 +253,7 @@ class TrackingSession:
                 "finite (size= must be a number >= 0; labels= counts labels != ignore_index)"
             )
         if faults.mismatched_ranks:
-            per_rank = stats.num_microbatches / max(self.dp_degree, 1)
+            per_rank = (faults.microbatches_run or stats.num_microbatches) / max(self.dp_degree, 1)
             message = (
                 f"{self.owner}: the window ran {per_rank:g} microbatches per rank on average but the tracker set "
                 f"accumulation_steps={window_accumulation}. Run exactly `tracker.accumulation_steps` "
@@ -265,9 +265,10 @@ class TrackingSession:
                     "all-reduced (no_sync), so stepping now would make the replicas diverge; stopped."
                 )
             self.warn_once("window_mismatch", message + " This step is measured with the microbatches it ran.")
-        k_per_rank = stats.num_microbatches / max(self.dp_degree, 1)
+        run = faults.microbatches_run or stats.num_microbatches
+        k_per_rank = run / max(self.dp_degree, 1)
         # one process that ran another window than set: record what it ran
-        ran = stats.num_microbatches if faults.mismatched_ranks and self.dp_degree == 1 else None
+        ran = run if faults.mismatched_ranks and self.dp_degree == 1 else None
         self.step += 1
         self.units_seen += stats.units
         # the schedule position: starting-batch steps this optimizer step held
@@ -284,7 +285,7 @@ class TrackingSession:
                 stats.small_sq_norm, stats.big_sq_norm, stats.small_batch, stats.big_batch, stats.units
             )
             self._check_sanity(stats)
-        elif stats.finite and stats.num_microbatches < 2 and stats.units > 0:
+        elif stats.finite and int(window_accumulation) * self.dp_degree < 2 and stats.units > 0:
             self.warn_once(
                 "single_microbatch",
                 f"{self.owner}: each optimizer step has a single microbatch (accumulation_steps=1 on one "
