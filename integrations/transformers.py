@@ -1,0 +1,492 @@
+"""Hugging Face adapter: ``CBSTrainer``, a ``transformers.Trainer`` that measures the noise scale and grows the batch.
+
+It overrides four public ``Trainer`` methods (the window fetch, the training step, the
+scheduler creation, the log) and three private ones (checkpoint save, resume position,
+initial training values); the step engine does the rest. A new accumulation takes
+effect only where the Trainer's per-epoch microbatch counter stays aligned with it,
+and schedules and ``max_steps`` stay in steps of the starting batch. Facts it relies
+on: docs/design.md ("Hugging Face Trainer").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner
+from cbs_tracker.core.estimator import NoiseScaleEstimator
+from cbs_tracker.core.measure import reduce_window
+from cbs_tracker.core.record import StepRecord, Unit
+from cbs_tracker.core.session import TrackingSession, check_size
+from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
+from cbs_tracker.core.units import BatchSizeFn, leading_dim
+from cbs_tracker.policy.lr import COUPLINGS
+
+__all__ = ["CBSTrainer", "STATE_FILE"]
+
+#: file the tracker's state is written to in every Trainer checkpoint folder
+STATE_FILE = "cbs_tracker.json"
+_STATE_VERSION = 1
+# the Trainer's reporters that get the cbs/ scalars through Trainer.log (TensorBoard gets exact tags)
+_NOT_TENSORBOARD = {"none", "tensorboard"}
+
+
+class CBSTrainer(Trainer):
+    """A ``transformers.Trainer`` that measures the gradient noise scale and grows the accumulation exactly.
+
+    Use it in place of ``Trainer``; ``TrainingArguments(gradient_accumulation_steps=A0)``
+    is the starting accumulation. Every other argument is the ``Trainer``'s.
+
+    Args:
+        controller: ``"auto"`` (default) builds a
+            :class:`~cbs_tracker.policy.controller.BatchSizeController` with its defaults;
+            pass a configured instance, or ``None`` to measure and log only.
+        observe_only: never change the accumulation.
+        unit: ``"tokens"`` (default: loss-contributing labels, ``ignore_index`` excluded,
+            the first position of each row left out for causal LMs, whose loss shifts the
+            labels) or ``"samples"`` (the leading dimension of the batch).
+        batch_size_fn: ``fn(inputs) -> units`` of one microbatch (a number or a one-element
+            tensor); replaces the counting ``unit`` implies.
+        ignore_index: label value that contributes no loss (default -100).
+        shift_labels: whether the loss predicts ``labels[..., 1:]``; ``None`` (default) asks
+            the model class (causal LMs shift).
+        estimator: a configured :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`.
+        preconditioner: ``None`` or ``"adam"``: measure ``g / (sqrt(v_hat) + eps)``.
+        lr_coupling: ``"auto"`` (LR x sqrt(B/B0) for Adam-family optimizers, x B/B0 for SGD),
+            ``"keep"``, ``"sqrt"`` or ``"linear"``.
+        cap_lr_at_peak: never let the coupling raise the LR above the schedule's peak.
+
+    Under growth the Trainer's learning-rate scheduler advances by the starting-batch
+    steps each optimizer step held, and ``max_steps`` (given, or computed from the
+    epochs) counts steps at the starting accumulation: the run ends at the same data as
+    a run without growth, the last windows cut to powers of two so as not to pass it.
+
+    Raises:
+        TypeError / ValueError: a bad argument (the message names it).
+        RuntimeError: a configuration the adapter cannot measure or grow exactly:
+            DeepSpeed, FSDP, SageMaker model parallelism, ``nn.DataParallel`` (several GPUs
+            in one process), tensor/context/sequence parallelism; and, when the batch may
+            grow, samplers built from the accumulation (``group_by_length``,
+            ``batch_rebalance``), ``auto_find_batch_size`` and a controller that may shrink.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        controller: Any = "auto",
+        observe_only: bool = False,
+        unit: Unit = "tokens",
+        batch_size_fn: BatchSizeFn | None = None,
+        ignore_index: int = -100,
+        shift_labels: bool | None = None,
+        estimator: NoiseScaleEstimator | None = None,
+        preconditioner: Literal["adam"] | None = None,
+        lr_coupling: str | None = "auto",
+        cap_lr_at_peak: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(observe_only, bool):
+            raise TypeError(f"CBSTrainer(observe_only={observe_only!r}): expected True or False")
+        if isinstance(controller, str):
+            if controller != "auto":
+                raise ValueError(f"CBSTrainer(controller={controller!r}): expected 'auto', None or a BatchSizeController")
+            from cbs_tracker.policy.controller import BatchSizeController
+
+            controller = BatchSizeController(observe_only=observe_only)
+        if getattr(controller, "allow_shrink", False):
+            raise ValueError(
+                "CBSTrainer(controller=BatchSizeController(allow_shrink=True)): shrinking is not supported; the "
+                "Trainer's per-epoch counters and the data already consumed only stay exact when the batch grows"
+            )
+        if unit not in ("tokens", "samples"):
+            raise ValueError(f"CBSTrainer(unit={unit!r}): must be 'tokens' or 'samples'")
+        if batch_size_fn is not None and not callable(batch_size_fn):
+            raise TypeError(f"CBSTrainer(batch_size_fn={batch_size_fn!r}): expected a function inputs -> units")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"CBSTrainer(ignore_index={ignore_index!r}): expected an int")
+        if shift_labels not in (None, True, False):
+            raise TypeError(f"CBSTrainer(shift_labels={shift_labels!r}): expected None, True or False")
+        if preconditioner not in (None, "adam"):
+            raise ValueError(f"CBSTrainer(preconditioner={preconditioner!r}): must be None or 'adam'")
+        if lr_coupling is not None and lr_coupling not in COUPLINGS:
+            raise ValueError(f"CBSTrainer(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
+        if not isinstance(cap_lr_at_peak, bool):
+            raise TypeError(f"CBSTrainer(cap_lr_at_peak={cap_lr_at_peak!r}): expected True or False")
+        super().__init__(*args, **kwargs)
+        self.controller = controller
+        self.unit: Unit = unit
+        self.batch_size_fn = batch_size_fn
+        self.ignore_index = ignore_index
+        self.shift_labels = shift_labels
+        self.estimator = estimator if estimator is not None else NoiseScaleEstimator()
+        self.preconditioner = preconditioner
+        self.lr_coupling = lr_coupling
+        self.cap_lr_at_peak = cap_lr_at_peak
+        self._check_configuration()
+
+        self.session: TrackingSession | None = None
+        self.applied_changes: list[tuple[int, int, int, int]] = []  # (step, epoch, microbatch in epoch, new A)
+        self._collector: GradStatsCollector | None = None
+        self._params: list[nn.Parameter] = []
+        self._restored: dict[str, Any] | None = None
+        self._clear_run()
+
+    def _clear_run(self) -> None:
+        self._starting_accumulation = int(self.args.gradient_accumulation_steps)
+        self._steps_in_epoch: int | None = None
+        self._iterator: Any = None
+        self._epoch = 0
+        self._epoch_pos = 0  # microbatches fetched in this epoch (all run by the next fetch or save)
+        self._resume_pos = 0
+        self._window: list[Any] = []  # per-microbatch sizes of the fetched window
+        self._window_index = 0
+        self._window_setting = self._starting_accumulation
+        self._window_ratio: torch.Tensor | None = None
+        self._logged_step = 0
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def noise_scale(self) -> float | None:
+        """Smoothed ``B_simple`` in :attr:`unit`; ``None`` until measurable."""
+        return self.estimator.noise_scale
+
+    @property
+    def tokens_seen(self) -> float:
+        """Units (see :attr:`unit`) consumed by all ranks in measured steps."""
+        return 0.0 if self.session is None else self.session.units_seen
+
+    @property
+    def accumulation_steps(self) -> int:
+        """The accumulation in force (``TrainingArguments.gradient_accumulation_steps`` during training)."""
+        return self._starting_accumulation if self.session is None else self.session.accumulation_steps
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        return None if self.session is None else self.session.last_record
+
+    # ------------------------------------------------------------------ refusals
+    def _can_grow(self) -> bool:
+        return self.controller is not None and not getattr(self.controller, "observe_only", False)
+
+    def _check_configuration(self) -> None:
+        from transformers.utils import is_sagemaker_mp_enabled
+
+        engine = (
+            "DeepSpeed" if self.is_deepspeed_enabled
+            else "FSDP" if self.is_fsdp_enabled or self.is_fsdp_xla_enabled
+            else "SageMaker model parallelism" if is_sagemaker_mp_enabled()
+            else None
+        )
+        if engine is not None:
+            raise RuntimeError(
+                f"CBSTrainer cannot be used with {engine}: it accumulates or shards the gradients itself, so "
+                "the per-microbatch gradients are not seen and the accumulation cannot change between steps. "
+                "Use DDP (torchrun), or cbs_tracker.integrations.fsdp.FSDPTracker in a plain loop for FSDP2."
+            )
+        if self.args.n_gpu > 1:
+            raise RuntimeError(
+                f"CBSTrainer: {self.args.n_gpu} GPUs in one process (nn.DataParallel) are not supported; "
+                "launch one process per GPU with torchrun (DDP)"
+            )
+        sizes = {name: int(getattr(self, f"get_{name}_size")()) for name in ("tp", "cp", "sp")}
+        sharded = {k: v for k, v in sizes.items() if v > 1}
+        if sharded:
+            raise RuntimeError(
+                f"CBSTrainer does not support model parallelism ({sharded}): only data-parallel ranks may "
+                "multiply the batch, and sharded parameters hide the per-microbatch gradients"
+            )
+        if not self._can_grow():
+            return
+        strategy = getattr(self.args, "train_sampling_strategy", None)
+        if strategy in ("group_by_length", "batch_rebalance"):
+            raise RuntimeError(
+                f"CBSTrainer: TrainingArguments(train_sampling_strategy={strategy!r}) builds its sampler from "
+                "gradient_accumulation_steps once, so a grown accumulation would no longer match it. Use "
+                "'random' or 'sequential', or CBSTrainer(observe_only=True) to only measure."
+            )
+        if self.args.auto_find_batch_size:
+            raise RuntimeError(
+                "CBSTrainer: TrainingArguments(auto_find_batch_size=True) restarts the loop with another "
+                "microbatch; set per_device_train_batch_size yourself, or use CBSTrainer(observe_only=True)"
+            )
+
+    # ------------------------------------------------------------------ the run
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._clear_run()
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            # the caller's TrainingArguments keep the starting accumulation
+            self.args.gradient_accumulation_steps = self._starting_accumulation
+            self._iterator = None
+            if self._collector is not None:
+                self._collector.remove()
+                self._collector = None
+            if self.session is not None:
+                self.session.detach_scheduler()
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        values = super().set_initial_training_values(args, dataloader)
+        self._steps_in_epoch = values[5] if hasattr(dataloader, "__len__") else None
+        return values
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
+        epochs, steps = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        self._restored = None
+        if resume_from_checkpoint is None:
+            return epochs, steps
+        # The Trainer derives the position from global_step and the starting accumulation,
+        # which a grown batch makes wrong: the saved position replaces it.
+        path = os.path.join(resume_from_checkpoint, STATE_FILE)
+        if not os.path.isfile(path):
+            raise RuntimeError(
+                f"CBSTrainer: the checkpoint {resume_from_checkpoint!r} has no {STATE_FILE} (it was not written by "
+                "CBSTrainer, or with save_only_model=True), so the data position and the schedule cannot be "
+                "restored exactly. Resume it with the Trainer that wrote it, or start a new run."
+            )
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict) or saved.get("version") != _STATE_VERSION:
+            raise ValueError(f"CBSTrainer: {path} is not a state file this cbs-tracker writes (version {_STATE_VERSION})")
+        start = saved["session"].get("starting_accumulation")
+        if start != self._starting_accumulation:
+            raise ValueError(
+                f"CBSTrainer: the checkpoint started at gradient_accumulation_steps={start}, this run at "
+                f"{self._starting_accumulation}; resume with the starting value (the tracker restores the grown one)"
+            )
+        self._restored = saved["session"]
+        self._epoch = int(saved["epoch"])
+        self._resume_pos = 0 if self.args.ignore_data_skip else int(saved["microbatches_in_epoch"])
+        return self._epoch, self._resume_pos
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        # The Trainer steps its scheduler once per optimizer step; built on the unwrapped
+        # optimizer it can be timed by the session (the accelerate wrapper shares its groups).
+        inner = optimizer if optimizer is not None else getattr(self.optimizer, "optimizer", self.optimizer)
+        scheduler = super().create_scheduler(num_training_steps, optimizer=inner)
+        self._start_session(getattr(scheduler, "optimizer", inner), scheduler)
+        return scheduler
+
+    def _start_session(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        dp_group = cbs_dist.resolve_dp_group(None)
+        self.session = TrackingSession(
+            owner="CBSTrainer", unit=self.unit, starting_accumulation=self._starting_accumulation,
+            dp_degree=cbs_dist.group_size(dp_group), estimator=self.estimator, controller=self.controller,
+            optimizer=optimizer, lr_coupling=self.lr_coupling, cap_lr_at_peak=self.cap_lr_at_peak,
+            warn=self._warn,
+        )
+        if self._restored is not None:
+            self.session.load_state_dict(self._restored)
+            self._restored = None
+        if scheduler is not None:
+            self.session.attach_scheduler(scheduler)
+        self.args.gradient_accumulation_steps = self.session.accumulation_steps
+        transform = adam_preconditioner(optimizer) if self.preconditioner == "adam" else None
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError("CBSTrainer: the model has no parameter with requires_grad=True")
+        if self._collector is not None:
+            self._collector.remove()
+        self._collector = GradStatsCollector(self._params, transform=transform)
+        self._transform = transform
+        self._avg_ranks = cbs_dist.group_size(dp_group)  # DDP averages over all ranks
+        if self._steps_in_epoch is not None and self._can_grow():
+            cap = self._starting_accumulation
+            while cap * 2 <= self._steps_in_epoch:
+                cap *= 2
+            self.session.limit_accumulation(
+                max(cap, self.session.accumulation_steps),
+                f"an epoch holds {self._steps_in_epoch} microbatches per rank, and a window never spans two epochs",
+            )
+        if self._starting_accumulation * self.session.dp_degree < 2:
+            self.session.warn_once(
+                "single_microbatch",
+                "CBSTrainer: each optimizer step has a single microbatch (gradient_accumulation_steps=1 on one "
+                "process), so there is no second batch size and the noise scale is not measured (nor the batch "
+                "grown). Halve per_device_train_batch_size and set gradient_accumulation_steps=2.",
+            )
+
+    def _warn(self, message: str) -> None:
+        if self.is_world_process_zero():
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ windows
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        if self.session is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if epoch_iterator is not self._iterator:  # the Trainer makes one iterator per epoch
+            if self._iterator is not None:
+                self._epoch += 1
+            self._iterator = epoch_iterator
+            self._epoch_pos, self._resume_pos = self._resume_pos, 0
+        setting = self._next_window()
+        batches, num_items = super().get_batch_samples(epoch_iterator, setting, device)
+        self._window = [self._count(inputs) for inputs in batches]
+        self._window_index = 0
+        self._window_setting = setting
+        self._epoch_pos += len(batches)
+        self._window_ratio = self._normalisation(num_items)
+        return batches, num_items
+
+    def _next_window(self) -> int:
+        """Microbatches of the next window, set in ``TrainingArguments`` (the Trainer reads it live).
+
+        The Trainer steps when ``(microbatch in epoch + 1) % gradient_accumulation_steps == 0``:
+        a new value takes effect only where it divides the microbatches run so far this epoch.
+        """
+        session = self.session
+        assert session is not None
+        if self._steps_in_epoch is not None and self._epoch_pos >= self._steps_in_epoch:
+            return session.accumulation_steps  # the epoch's data is used up: the Trainer fetches nothing
+        pending = session.pending_accumulation
+        if pending is not None and self._epoch_pos % pending == 0:
+            session.apply_pending()
+            self.applied_changes.append((session.step, self._epoch, self._epoch_pos, pending))
+        setting = session.accumulation_steps
+        # Do not pass the budget (in starting-batch steps; the epoch's end may shorten the
+        # window): halving keeps the window aligned, it divides the last one.
+        start, left = session.starting_accumulation, self.state.max_steps - session.starting_batch_steps
+        while setting > start and setting % 2 == 0 and -(-self._window_length(setting) // start) > left:
+            setting //= 2
+        if self._epoch_pos % setting:
+            raise RuntimeError(
+                f"CBSTrainer: internal error, a window of {setting} microbatches would start at microbatch "
+                f"{self._epoch_pos} of the epoch, where the Trainer would not step at its end"
+            )
+        self.args.gradient_accumulation_steps = setting
+        return setting
+
+    def _window_length(self, setting: int) -> int:
+        if self._steps_in_epoch is None:
+            return setting
+        return min(setting, self._steps_in_epoch - self._epoch_pos)
+
+    def _count(self, inputs: Any) -> Any:
+        if self.batch_size_fn is not None:
+            size = self.batch_size_fn(inputs)
+        elif self.unit == "samples":
+            size = leading_dim(inputs)
+        else:
+            labels = inputs.get("shift_labels") if hasattr(inputs, "get") else None
+            if labels is None:
+                labels = inputs.get("labels") if hasattr(inputs, "get") else None
+                if not isinstance(labels, torch.Tensor):
+                    raise ValueError(
+                        "CBSTrainer(unit='tokens') counts the batch's 'labels' but found none; pass "
+                        "unit='samples' or batch_size_fn="
+                    )
+                if self._loss_shifts():
+                    labels = labels[..., 1:]
+            size = (labels != self.ignore_index).sum()
+        return check_size(size, owner="CBSTrainer(batch_size_fn=...)")
+
+    def _loss_shifts(self) -> bool:
+        if self.shift_labels is not None:
+            return self.shift_labels
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model, "config", None)
+        return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() and not getattr(
+            config, "is_encoder_decoder", False
+        )
+
+    def _normalisation(self, num_items: Any) -> torch.Tensor | None:
+        """``N / (c U)``: items the loss is divided by over the units this rank's window really has.
+
+        Mirrors ``Trainer.training_step``/``compute_loss``: a loss normalised by
+        ``num_items_in_batch`` is ``sum of unit losses / N``, times ``c`` ranks with
+        ``average_tokens_across_devices``; otherwise it is a mean divided by the window's
+        microbatches (``None`` here).
+        """
+        by_items = self.loss_is_scaled_for_ga
+        if by_items is None:
+            by_items = (self.model_accepts_loss_kwargs and num_items is not None) or self.compute_loss_func is not None
+        if not by_items or num_items is None or not self._window:
+            return None
+        ranks = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+        units = sum(torch.as_tensor(s, dtype=torch.float64) for s in self._window)
+        return torch.as_tensor(num_items).double().reshape(()) / (ranks * units)
+
+    # ------------------------------------------------------------------ microbatches and steps
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        collector = self._collector
+        if collector is None or self._window_index >= len(self._window):
+            return super().training_step(model, inputs, num_items_in_batch)
+        size = self._window[self._window_index]
+        collector.begin_microbatch()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        collector.end_microbatch(size)
+        self._window_index += 1
+        if self._window_index == len(self._window):
+            self._finish_window()  # the last backward of the window ran: gradients synced, not clipped
+        return loss
+
+    def _finish_window(self) -> None:
+        session, collector = self.session, self._collector
+        assert session is not None and collector is not None
+        k = len(self._window)
+        # h_k = g_k / a: the Trainer divides a mean loss by K, or a unit-sum loss by N / c
+        divisor = float(k) if self._window_ratio is None else float(self._window_ratio) * k
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            # not unscaled yet (the Trainer unscales when it clips): the loss scale S is in the
+            # hooked gradients and in .grad alike, so it is removed from both by a / S
+            divisor /= float(scaler.get_scale())
+        stats, faults = reduce_window(
+            collector, self._params, dp_group=None, loss_divisor=divisor, avg_ranks=self._avg_ranks,
+            transform=self._transform, expected_microbatches=k,
+        )
+        collector.reset_window()
+        session.finish_step(stats, faults, window_accumulation=self._window_setting, mismatch_is_fatal=True)
+        if session.changed_this_step:
+            self.control.should_log = True  # write the step of a change whatever logging_steps says
+        if self.state.max_steps > 0 and session.starting_batch_steps >= self.state.max_steps:
+            self.control.should_training_stop = True
+            if self.args.save_strategy == "steps":
+                self.control.should_save = True
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        record = self.last_record
+        if record is not None and record.step > self._logged_step and self.is_in_train:
+            self._logged_step = record.step
+            if any(str(r) not in _NOT_TENSORBOARD for r in (self.args.report_to or [])):
+                logs.update(record_scalars(record))
+            self._write_tensorboard(record)
+        super().log(logs, *args, **kwargs)
+
+    def _write_tensorboard(self, record: StepRecord) -> None:
+        """The exact ``cbs/`` tags (against the step) and ``cbs_tokens/`` (against units) in the Trainer's event file."""
+        from transformers.integrations import TensorBoardCallback
+
+        for callback in self.callback_handler.callbacks:
+            writer = getattr(callback, "tb_writer", None)
+            if isinstance(callback, TensorBoardCallback) and writer is not None and self.is_world_process_zero():
+                for tag, value in record_scalars(record).items():
+                    writer.add_scalar(tag, value, record.step)
+                for tag, value in schedule_scalars(record).items():
+                    writer.add_scalar(tag, value, schedule_step(record))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.session is None or not self.args.should_save:
+            return
+        epoch, pos = self._epoch, self._epoch_pos
+        if self._steps_in_epoch is not None and pos >= self._steps_in_epoch:
+            epoch, pos = epoch + 1, 0
+        state = {"version": _STATE_VERSION, "epoch": epoch, "microbatches_in_epoch": pos,
+                 "session": self.session.state_dict()}
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, STATE_FILE), "w") as f:
+            json.dump(state, f, allow_nan=True)
