@@ -57,15 +57,17 @@ def microbatch_data(
 
 
 def make_controller() -> BatchSizeController:
-    # Short warm-up and no cool-down so that a dozen steps see decisions (kappa=1 so that
+    # Short warm-up and no cool-down so that a dozen steps see decisions (kappa=3 so that
     # they are doublings; the default kappa is tested in test_controller).
     return BatchSizeController(
-        kappa=1.0, warmup_steps=3, warmup_tokens=0, cooldown_tokens=0, patience=2, window=3, feedback_guard=False
+        kappa=3.0, warmup_steps=3, warmup_tokens=0, cooldown_tokens=0, patience=2, window=3, feedback_guard=False
     )
 
 
 def make_estimator() -> NoiseScaleEstimator:
-    return NoiseScaleEstimator(min_steps=2)
+    from tests.estimators import NoIntervalEstimator
+
+    return NoIntervalEstimator(min_steps=2)
 
 
 def record_dict(rec: Any) -> dict[str, Any]:
