@@ -26,19 +26,17 @@ SEQ_LEN = 128
 MICRO_SEQUENCES = 2
 
 
-class Windows(torch.utils.data.Dataset):
-    """The first ``n`` training windows of a :class:`SequenceStream` as ``input_ids``/``labels`` rows."""
+class Rows(torch.utils.data.Dataset):
+    """``input_ids``/``labels`` rows: the first ``n`` training windows of a :class:`SequenceStream`."""
 
     def __init__(self, data: np.ndarray, n: int, seed: int = 0) -> None:
-        self.data = data
-        self.starts = SequenceStream(data, seq_len=SEQ_LEN, seed=seed).starts(0, n)
+        self.ids, _ = windows(data, SequenceStream(data, seq_len=SEQ_LEN, seed=seed).starts(0, n), SEQ_LEN)
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        x, _ = windows(self.data, self.starts[i : i + 1], SEQ_LEN)
-        return {"input_ids": x[0], "labels": x[0]}  # GPT-2 shifts the labels itself
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}  # GPT-2 shifts the labels itself
 
 
 class PrintChanges(TrainerCallback):
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     controller = BatchSizeController(warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8,
                                      kappa=2.0)
     printer = PrintChanges()
-    trainer = CBSTrainer(model=model, args=training, train_dataset=Windows(corpus.train, per_epoch),
+    trainer = CBSTrainer(model=model, args=training, train_dataset=Rows(corpus.train, per_epoch),
                          controller=controller, callbacks=[printer])  # unit: loss-contributing tokens
     printer.trainer = trainer
     start = time.perf_counter()

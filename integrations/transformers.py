@@ -4,8 +4,7 @@ It overrides four public ``Trainer`` methods (the window fetch, the training ste
 scheduler creation, the log) and three private ones (checkpoint save, resume position,
 initial training values); the step engine does the rest. A new accumulation takes
 effect only where the Trainer's per-epoch microbatch counter stays aligned with it,
-and schedules and ``max_steps`` stay in steps of the starting batch. Facts it relies
-on: docs/design.md ("Hugging Face Trainer").
+and schedules and ``max_steps`` stay in steps of the starting batch (transformers 5.24).
 """
 
 from __future__ import annotations
