@@ -49,7 +49,7 @@ class PrintChanges(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         r = self.trainer.last_record
         old, new = r.accumulation_steps, r.next_accumulation_steps
-        if new != old and state.is_world_process_zero:
+        if self.trainer.session.changed_this_step and state.is_world_process_zero:
             ns = "-" if r.noise_scale is None else f"{r.noise_scale:,.0f}"
             print(
                 f"[{time.perf_counter() - self.start:5.1f}s] step {r.step}: tokens seen {r.tokens_seen:,.0f}, noise "
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=float, default=6e5, help="token budget over both epochs (default 600k)")
     p.add_argument("--out", default="runs/hf_trainer", help="output folder (TensorBoard logs in OUT/runs)")
     p.add_argument("--quick", action="store_true", help="a 100k-token smoke run with fast controller settings")
+    p.add_argument("--constant", action="store_true", help="measure only: keep the starting batch (for comparison)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         max_grad_norm=1.0, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
     )
     # fast settings so a few hundred steps show a change (the defaults wait for 100 steps)
-    controller = BatchSizeController(warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8,
-                                     kappa=2.0)
+    controller = None if args.constant else BatchSizeController(
+        warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=2.0)
     printer = PrintChanges()
     trainer = CBSTrainer(model=model, args=training, train_dataset=Rows(corpus.train, per_epoch),
                          controller=controller, callbacks=[printer])  # unit: loss-contributing tokens
@@ -104,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"done: {r.step} optimizer steps, {r.tokens_seen:,.0f} tokens in {time.perf_counter() - start:.0f}s, val loss "
         f"{validation_loss(model, corpus.val):.3f} nats/byte, noise scale {'-' if ns is None else f'{ns:,.0f}'} "
-        f"tokens, gradient_accumulation_steps {trainer.accumulation_steps} (global batch {r.global_batch:,.0f} "
-        f"tokens); LR schedule at {sched.last_epoch} of {trainer.state.max_steps} starting-batch steps, "
+        f"tokens, gradient_accumulation_steps {trainer.accumulation_steps} (global batch "
+        f"{trainer.accumulation_steps * micro * (SEQ_LEN - 1):,} tokens); LR schedule at {sched.last_epoch} of {trainer.state.max_steps} starting-batch steps, "
         f"lr {sched.get_last_lr()[0]:.2e}; logs in {args.out}/runs",
         flush=True,
     )
