@@ -1,8 +1,8 @@
 """Hugging Face adapter: ``CBSTrainer``, a ``transformers.Trainer`` that measures the noise scale and grows the batch.
 
-It overrides four public ``Trainer`` methods (the window fetch, the training step, the
-scheduler creation, the log) and three private ones (checkpoint save, resume position,
-initial training values); the step engine does the rest. A new accumulation takes
+It overrides public ``Trainer`` methods (the window fetch, the training step, the
+scheduler creation, the log) and two private ones (the checkpoint save and the resume
+position); the step engine does the rest. A new accumulation takes
 effect only where the Trainer's per-epoch microbatch counter stays aligned with it,
 and schedules and ``max_steps`` stay in steps of the starting batch (transformers 5.24).
 """
