@@ -1,80 +1,10 @@
 """FSDP2 adapter: ``FSDPTracker`` measures the noise scale of a ``fully_shard`` model.
 
-Usage (the plain-loop API of :class:`~cbs_tracker.core.loop.LoopTracker`, unchanged)::
-
-    from torch.distributed.fsdp import fully_shard
-    from cbs_tracker.integrations.fsdp import FSDPTracker
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)                                    # the root must be sharded too
-    optimizer = torch.optim.AdamW(model.parameters())     # the sharded parameters
-    tracker = FSDPTracker(model, optimizer, accumulation_steps=4, controller=controller)
-    for step in range(num_steps):
-        for _ in range(tracker.accumulation_steps):
-            x, y = next(batches)
-            with tracker.microbatch(labels=y):            # gradient sync on the last one only
-                loss = model(x, y) / tracker.accumulation_steps
-                loss.backward()
-        tracker.step()                                    # before clipping
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-
-A ``CBSTracker`` given an FSDP2 model refuses it and points here: FSDP2 needs the
-three differences below, and an explicit class keeps them visible (DESIGN §3,
-checked on torch 2.13 with gloo).
-
-* **Small norms.** The sharded ``DTensor`` parameters' own tensor hooks never fire:
-  forward and backward run on *unsharded* ``nn.Parameter`` objects that FSDP swaps
-  into the modules after its all-gather. A forward-pre-hook on every ``FSDPModule``
-  (registered after FSDP's own, which FSDP prepends) registers the norm hook on
-  each unsharded parameter the first time it sees it; the objects persist across
-  iterations, so each is hooked once. The hook sees the microbatch's local
-  gradient in the parameter dtype (bf16 under a ``MixedPrecisionPolicy``); its
-  norm is taken in float32.
-* **Big norm.** ``p.grad`` is a sharded ``DTensor`` after the reduce-scatter
-  (in the parameters' original dtype, e.g. float32 with ``reduce_dtype=float32``).
-  Each rank adds ``sum |p.grad.to_local()|^2`` of its shards to the step's one
-  ``all_reduce`` over the DP group, so the sum is the global ``|.grad|^2``. With HSDP
-  (a 2-D ``(replicate, shard)`` mesh) the ranks along the replicate dimension
-  hold the *same* shard: only replica 0 contributes it. FSDP averages the
-  gradient over all its ranks (``R = D``), as DDP does.
-* **Gradient sync.** ``gradient_sync="last"`` (default) calls
-  ``model.set_requires_gradient_sync(False)`` for all but the window's last
-  microbatch and ``True`` for the last (FSDP then reduces once per step and
-  accumulates unsharded gradients locally, in ``reduce_dtype`` when it differs
-  from ``param_dtype``). ``gradient_sync="every"`` leaves the setting alone: FSDP
-  reduce-scatters every microbatch and accumulates the sharded gradient. The
-  measurement is the same either way; ``"last"`` moves less data, ``"every"``
-  holds no unsharded gradient between microbatches.
-
-The data-parallel group. By default it is the group of the mesh the parameters
-are sharded on when that mesh is 1-D (plain FSDP; with a 2-D ``dp x tp`` mesh and
-``fully_shard(model, mesh=mesh["dp"])`` that is the ``dp`` group, and the ``tp``
-ranks never multiply the batch). For HSDP or any other mesh of more than one
-dimension name the DP dimensions: ``FSDPTracker(model, device_mesh=mesh,
-mesh_dim=("dp_replicate", "dp_shard"))`` (or pass ``process_group=``). The layout
-is checked at construction: every mesh dimension of the sharded parameters must
-lie inside the DP group (a data-parallel dimension) or meet it only in this rank
-(a dimension whose ranks see the same data), and the data-parallel dimensions
-must cover the whole DP group.
-
-Not supported (refused at construction with a message): parameters that FSDP
-does not manage (``ignored_params``: their gradients are not synced), parameters
-sharded along a non-data-parallel mesh dimension (tensor parallelism: a rank's
-hook would see only its tensor-parallel shard), ``preconditioner="adam"`` (the
-per-microbatch gradients are unsharded while Adam's second moments are sharded).
-The tracker assumes FSDP's default average over the DP ranks; after
-``set_gradient_divide_factor(f)`` with ``f != D`` the big norm is off by ``(D/f)^2``
-(``grads_averaged_over_ranks=False`` covers ``f = 1``, a plain sum).
-
-Collective discipline: the tracker adds exactly one ``all_reduce`` per
-:meth:`FSDPTracker.step` on every rank, also when a rank's
-gradients are not finite (every rank then drops the step) or a rank's data ran
-out (it contributes zero counts). FSDP's own collectives are the loop's business:
-with uneven data every rank must still run the same number of gradient
-synchronisations (stop all ranks together when one runs out).
+The plain-loop API of :class:`~cbs_tracker.core.loop.LoopTracker`, unchanged: build it on
+the root ``FSDPModule`` and its optimizer, wrap each microbatch in ``tracker.microbatch()``
+(gradient sync on the last one only, ``gradient_sync="last"``) and call ``tracker.step()``
+before clipping. It hooks FSDP's unsharded parameters and reads the big norm from the
+local shards of ``.grad``; the FSDP2 facts it relies on are in docs/design.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Kept out of the test module: ``ddp_spawn`` pickles the LightningModule and the
 callbacks into its child processes, which import them by module name
-(DESIGN §8).
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ D_IN = 8
 
 # ---------------------------------------------------------------------------- data
 def regression_data(n: int, *, seed: int = 0, sigma: float = 0.5) -> torch.utils.data.TensorDataset:
-    """``y = x . w* + sigma * eps`` with ``x ~ N(0, I_8)`` (DESIGN §2, "Ground truth")."""
+    """``y = x . w* + sigma * eps`` with ``x ~ N(0, I_8)`` (docs/design.md, ground truth)."""
     g = torch.Generator().manual_seed(seed)
     w_star = torch.randn(D_IN, generator=g)
     x = torch.randn(n, D_IN, generator=g)

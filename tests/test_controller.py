@@ -335,7 +335,7 @@ def test_missing_measurements_do_not_count():
 
 # --------------------------------------------------------------------- feedback trap
 def test_feedback_trap_noise_scale_following_the_batch_does_not_run_away():
-    # the seed's NQM near its noise floor: B_simple = 10 * B (plus noise)
+    # the reference NQM near its noise floor: B_simple = 10 * B (plus noise)
     rng = random.Random(0)
 
     def signal(step, tokens, batch):

@@ -82,7 +82,7 @@ def test_converted_schedules_match_the_original_within_5_percent_with_fewer_step
 def test_a_cosine_that_ends_at_10_percent_of_its_peak_is_not_within_the_target():
     # the LR ends at 0.05 (converted: 0.4): the bound above is (2 - 0.05) / (2 - 0.4) = 1.22;
     # at this budget the conversion ends 4% above the original (inside the 5% target),
-    # at the seed's budget 3e6 it ends outside it (see the module's command)
+    # at the reference budget 3e6 it ends outside it (see the module's command)
     res = compare_conversion("cosine_to_10pct", budget=BUDGET)
     assert 1.0 < res.loss_ratio <= (2 - 0.05) / (2 - 0.4)
 

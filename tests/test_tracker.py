@@ -21,7 +21,7 @@ def _regression(d=8, sigma=0.5, seed=0):
     with torch.no_grad():
         model.weight.copy_((w_star + delta)[None])
     dd = float(delta.pow(2).sum())
-    truth = (d * (dd + sigma**2) + dd) / dd  # DESIGN §2 "Ground truth"
+    truth = (d * (dd + sigma**2) + dd) / dd  # docs/design.md, ground truth
     return model, w_star, sigma, dd, truth
 
 
