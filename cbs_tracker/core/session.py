@@ -142,6 +142,7 @@ class TrackingSession:
         self._warn_fn = warn
         self.timer: ScheduleTimer | None = None
         self._pending_schedule_state: dict[str, Any] | None = None
+        self._update_kwargs: tuple[str, ...] | None = None
 
         self.step = 0
         self.units_seen = 0.0
@@ -247,45 +248,90 @@ class TrackingSession:
                 (multi-rank), or a microbatch size was negative or not finite.
         """
         faults = faults or WindowFaults()
+        self._check_faults(stats, faults, window_accumulation, mismatch_is_fatal)
+        run = faults.microbatches_run or stats.num_microbatches
+        self._advance(stats, run)
+        estimate = self._estimate(stats, window_accumulation, estimate_allowed)
+        interval = getattr(self.estimator, "noise_scale_interval", None)
+        low, high = interval if interval is not None else (None, None)
+        critical = self._decide(stats, window_accumulation, low, high)
+        if lr is None and self.optimizer is not None and self.optimizer.param_groups:
+            lr = float(self.optimizer.param_groups[0]["lr"])
+        step_est = None if estimate is None else estimate.step
+        record = StepRecord(
+            step=self.step,
+            tokens_seen=self.units_seen,
+            unit=self.unit,
+            global_batch=stats.units,
+            micro_batch=stats.units / max(stats.num_microbatches, 1),
+            # one process that ran another window than set records what it ran
+            accumulation_steps=run if faults.mismatched_ranks and self.dp_degree == 1 else int(window_accumulation),
+            dp_degree=self.dp_degree,
+            grad_sq_norm=self.estimator.grad_sq_norm,
+            trace_cov=self.estimator.trace_cov,
+            noise_scale=self.estimator.noise_scale,
+            critical_batch=critical,
+            lr=lr,
+            step_grad_sq_norm=None if step_est is None else step_est.grad_sq_norm,
+            step_trace_cov=None if step_est is None else step_est.trace_cov,
+            dropped=not stats.finite,
+            next_accumulation_steps=(
+                self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
+            ),
+            noise_scale_low=low,
+            noise_scale_high=high,
+            scheduled_lr=self.scheduled_lr(),
+            lr_coupling=self.coupling if self.optimizer is not None else None,
+            lr_conversions=None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0),
+        )
+        self.last_record = record
+        if self.logger is not None:
+            self.logger.log(record)
+        return record
+
+    def _check_faults(self, stats: StepStats, faults: WindowFaults, window_accumulation: int, fatal: bool) -> None:
+        """Raise on invalid sizes and (multi-rank, sync skipped) on a window of another size; else warn."""
         if faults.invalid_sizes:
             raise ValueError(
                 f"{self.owner}: {faults.invalid_sizes} microbatch size(s) of this step were negative or not "
                 "finite (size= must be a number >= 0; labels= counts labels != ignore_index)"
             )
-        if faults.mismatched_ranks:
-            per_rank = (faults.microbatches_run or stats.num_microbatches) / max(self.dp_degree, 1)
-            message = (
-                f"{self.owner}: the window ran {per_rank:g} microbatches per rank on average but the tracker set "
-                f"accumulation_steps={window_accumulation}. Run exactly `tracker.accumulation_steps` "
-                "microbatches between two optimizer steps (it changes when the batch grows)."
+        if not faults.mismatched_ranks:
+            return
+        per_rank = (faults.microbatches_run or stats.num_microbatches) / max(self.dp_degree, 1)
+        message = (
+            f"{self.owner}: the window ran {per_rank:g} microbatches per rank on average but the tracker set "
+            f"accumulation_steps={window_accumulation}. Run exactly `tracker.accumulation_steps` "
+            "microbatches between two optimizer steps (it changes when the batch grows)."
+        )
+        if fatal and self.dp_degree > 1:
+            raise RuntimeError(
+                message + " With several data-parallel ranks the gradients of this window were not "
+                "all-reduced (no_sync), so stepping now would make the replicas diverge; stopped."
             )
-            if mismatch_is_fatal and self.dp_degree > 1:
-                raise RuntimeError(
-                    message + " With several data-parallel ranks the gradients of this window were not "
-                    "all-reduced (no_sync), so stepping now would make the replicas diverge; stopped."
-                )
-            self.warn_once("window_mismatch", message + " This step is measured with the microbatches it ran.")
-        run = faults.microbatches_run or stats.num_microbatches
+        self.warn_once("window_mismatch", message + " This step is measured with the microbatches it ran.")
+
+    def _advance(self, stats: StepStats, run: int) -> None:
+        """Count the step, its units and the starting-batch steps it held (the schedule's position)."""
         k_per_rank = run / max(self.dp_degree, 1)
-        # one process that ran another window than set: record what it ran
-        ran = run if faults.mismatched_ranks and self.dp_degree == 1 else None
+        held = max(1, math.ceil(k_per_rank / self.starting_accumulation - 1e-9)) if k_per_rank > 0 else 1
         self.step += 1
         self.units_seen += stats.units
-        # the schedule position: starting-batch steps this optimizer step held
-        held = max(1, math.ceil(k_per_rank / self.starting_accumulation - 1e-9)) if k_per_rank > 0 else 1
         self.starting_batch_steps += held
         if self.timer is not None:
             self.timer.owe(held)
         self.last_stats = stats
 
-        estimate = None
-        measurable = estimate_allowed and stats.finite and stats.num_microbatches >= 2 and stats.small_batch > 0
+    def _estimate(self, stats: StepStats, window_accumulation: int, allowed: bool) -> Any | None:
+        """Feed a measurable step to the estimator (and the sanity checks); warn once on K = 1."""
+        measurable = allowed and stats.finite and stats.num_microbatches >= 2 and stats.small_batch > 0
         if measurable and stats.units > 0:
             estimate = self.estimator.update(
                 stats.small_sq_norm, stats.big_sq_norm, stats.small_batch, stats.big_batch, stats.units
             )
             self._check_sanity(stats)
-        elif stats.finite and int(window_accumulation) * self.dp_degree < 2 and stats.units > 0:
+            return estimate
+        if stats.finite and int(window_accumulation) * self.dp_degree < 2 and stats.units > 0:
             self.warn_once(
                 "single_microbatch",
                 f"{self.owner}: each optimizer step has a single microbatch (accumulation_steps=1 on one "
@@ -293,77 +339,43 @@ class TrackingSession:
                 "(nor the batch grown). Use 2 or more microbatches per step (e.g. halve the microbatch and "
                 "double the accumulation) or more data-parallel ranks.",
             )
+        return None
 
-        interval = getattr(self.estimator, "noise_scale_interval", None)
-        low, high = interval if interval is not None else (None, None)
-        critical = None
-        changed = False
-        if self.controller is not None and stats.units > 0:
-            decision = self.controller.update(
-                step=self.step,
-                tokens_seen=self.units_seen,
-                global_batch=stats.units,
-                accumulation_steps=int(window_accumulation),
-                noise_scale=self.estimator.noise_scale,
-                **self._optional_update_kwargs(low, high),
-            )
-            self.last_decision = decision
-            critical = decision.critical_batch
-            if decision.changed and not getattr(self.controller, "observe_only", False):
-                new = int(decision.accumulation_steps)
-                if new != self.accumulation_steps:
-                    self.pending_accumulation = new
-                    changed = True
-                else:
-                    self.pending_accumulation = None
-
-        if lr is None and self.optimizer is not None and self.optimizer.param_groups:
-            lr = float(self.optimizer.param_groups[0]["lr"])
-        record = StepRecord(
+    def _decide(self, stats: StepStats, window_accumulation: int, low: float | None, high: float | None) -> float | None:
+        """Ask the controller (not on a step without units); a change becomes pending. Returns its target."""
+        self.changed_this_step = False
+        if self.controller is None or stats.units <= 0:
+            return None
+        decision = self.controller.update(
             step=self.step,
             tokens_seen=self.units_seen,
-            unit=self.unit,
             global_batch=stats.units,
-            micro_batch=stats.units / max(stats.num_microbatches, 1),
-            accumulation_steps=ran if ran is not None else int(window_accumulation),
-            dp_degree=self.dp_degree,
-            grad_sq_norm=self.estimator.grad_sq_norm,
-            trace_cov=self.estimator.trace_cov,
+            accumulation_steps=int(window_accumulation),
             noise_scale=self.estimator.noise_scale,
-            critical_batch=critical,
-            lr=lr,
-            step_grad_sq_norm=None if estimate is None or estimate.step is None else estimate.step.grad_sq_norm,
-            step_trace_cov=None if estimate is None or estimate.step is None else estimate.step.trace_cov,
-            dropped=not stats.finite,
-            next_accumulation_steps=(
-                self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
-            ),
-            noise_scale_low=low,
-            noise_scale_high=high,
-            scheduled_lr=None if lr is None else lr / self.coupling,
-            lr_coupling=self.coupling if self.optimizer is not None else None,
-            lr_conversions=None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0),
+            **self._optional_update_kwargs(low, high),
         )
-        self.last_record = record
-        self.changed_this_step = changed
-        if self.logger is not None:
-            self.logger.log(record)
-        return record
+        self.last_decision = decision
+        if decision.changed and not getattr(self.controller, "observe_only", False):
+            new = int(decision.accumulation_steps)
+            self.pending_accumulation = new if new != self.accumulation_steps else None
+            self.changed_this_step = new != self.accumulation_steps
+        return decision.critical_batch
 
     def _optional_update_kwargs(self, low: float | None, high: float | None) -> dict[str, Any]:
         """Keyword arguments newer controllers accept (older ones and user doubles may not)."""
-        import inspect
+        if self._update_kwargs is None:
+            import inspect
 
-        try:
-            params = inspect.signature(self.controller.update).parameters
-        except (TypeError, ValueError):
-            return {}
-        out: dict[str, Any] = {}
-        accepts_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        for name, value in (("scheduled_lr", self.scheduled_lr()), ("noise_scale_low", low), ("noise_scale_high", high)):
-            if accepts_all or name in params:
-                out[name] = value
-        return out
+            try:
+                params = inspect.signature(self.controller.update).parameters
+            except (TypeError, ValueError):
+                params = {}
+            accepts_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            self._update_kwargs = tuple(
+                n for n in ("scheduled_lr", "noise_scale_low", "noise_scale_high") if accepts_all or n in params
+            )
+        values = {"scheduled_lr": self.scheduled_lr, "noise_scale_low": lambda: low, "noise_scale_high": lambda: high}
+        return {name: values[name]() for name in self._update_kwargs}
 
     def _check_sanity(self, stats: StepStats) -> None:
         """Warn once when the averaged norms say the big norm is not the mean of the small ones."""
