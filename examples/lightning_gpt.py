@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         # short warm-up and cool-down so that a few hundred steps show a change
         controller = BatchSizeController(
-            warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=2.0
+            warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=4.0
         )
         budget = min(args.tokens, 1.5e5)
     else:
