@@ -90,9 +90,9 @@ def assert_same_run(
         if ragged_from is None or step < ragged_from:
             assert got["accumulation_steps"] * dp_size == want["accumulation_steps"], step
         else:
-            # a window in which a rank ran short: one process records what it ran, several
-            # ranks record the accumulation they were set to (the mean per rank is not whole)
-            assert want["accumulation_steps"] < got["accumulation_steps"] * dp_size, step
+            # a window in which a rank ran short: one process records what it ran, several ranks
+            # the set accumulation when the mean per rank is not whole, else that mean
+            assert want["accumulation_steps"] <= got["accumulation_steps"] * dp_size, step
         assert got["next_accumulation_steps"] * dp_size == want["next_accumulation_steps"], step
         for key in MEASURED + ("critical_batch",):
             assert (got[key] is None) == (want[key] is None), (step, key)

@@ -264,8 +264,7 @@ class TrackingSession:
             unit=self.unit,
             global_batch=stats.units,
             micro_batch=stats.units / max(stats.num_microbatches, 1),
-            # one process that ran another window than set records what it ran
-            accumulation_steps=run if faults.mismatched_ranks and self.dp_degree == 1 else int(window_accumulation),
+            accumulation_steps=self._ran_per_rank(run, window_accumulation),
             dp_degree=self.dp_degree,
             grad_sq_norm=self.estimator.grad_sq_norm,
             trace_cov=self.estimator.trace_cov,
@@ -288,6 +287,13 @@ class TrackingSession:
         if self.logger is not None:
             self.logger.log(record)
         return record
+
+    def _ran_per_rank(self, run: int, window_accumulation: int) -> int:
+        """Microbatches per rank the window really ran (a short or mis-sized window says so); the
+        set accumulation when the ranks ran different numbers (no whole mean per rank)."""
+        if run <= 0 or run % max(self.dp_degree, 1):
+            return int(window_accumulation)
+        return run // max(self.dp_degree, 1)
 
     def _check_faults(self, stats: StepStats, faults: WindowFaults, window_accumulation: int, fatal: bool) -> None:
         """Raise on invalid sizes and (multi-rank, sync skipped) on a window of another size; else warn."""
