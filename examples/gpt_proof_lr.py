@@ -11,6 +11,7 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
 * ``tracker_convert``: the same plus ``convert_lr_decay=True`` (halvings of the
   scheduled LR become doublings while the batch stays below the measured critical batch);
 * ``tracker_default_cap`` (first seed, cosine): the coupling capped at the peak LR;
+* ``tracker_convert_kappa1`` (first seed): the conversion allowed up to ``B_simple`` itself;
 * ``tracker_default`` and ``tracker_budget`` at a constant LR (the earlier proof's rows,
   rerun with the new defaults).
 
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
 
-SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_budget")
+SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget")
 BASELINE_TOKENS = 512
 
 
@@ -72,6 +73,7 @@ def plan(setting: base.Setting) -> list[Run]:
                      Run("tracker_convert", seed, lr_schedule)]
         if seed == setting.seeds[0]:
             runs.append(Run("tracker_default", seed, "cosine", cap=True))
+            runs += [Run("tracker_convert_kappa1", seed, s) for s in ("cosine", "wsd")]
     for seed in setting.seeds:
         runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
     return runs
@@ -86,6 +88,9 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController()
     if run.schedule == "tracker_convert":
         return BatchSizeController(convert_lr_decay=True)
+    if run.schedule == "tracker_convert_kappa1":
+        # conversions allowed up to B_simple itself (the default kappa = 0.5 bounds them at half of it)
+        return BatchSizeController(convert_lr_decay=True, kappa=1.0)
     if run.schedule == "tracker_budget":
         return BatchSizeController(budget_tokens=setting.budget_tokens)
     raise ValueError(f"unknown schedule {run.schedule!r}; expected one of {SCHEDULES}")
@@ -166,13 +171,16 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
     return result
 
 
-def run_all(setting: base.Setting, out: Path, jobs: int, only: set[str] | None) -> dict[str, dict[str, Any]]:
+def run_all(setting: base.Setting, out: Path, jobs: int, only: set[str] | None,
+            names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for path in sorted((out / "runs").glob("*.json")):
         r = json.loads(path.read_text())
         if r.get("setting_key") == setting.key():
             results[r["name"]] = r
     todo = [r for r in plan(setting) if r.name not in results and (only is None or r.schedule in only)]
+    if names:
+        todo = [r for name in names for r in plan(setting) if r.name == name and name not in results]
     running: dict[str, subprocess.Popen[bytes]] = {}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     while todo or running:
@@ -235,7 +243,7 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = {"constant": "black", "tracker_default": "tab:blue", "tracker_convert": "tab:red",
-              "tracker_budget": "tab:green"}
+              "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green"}
     for col, lr_schedule in enumerate(("cosine", "wsd")):
         for r in results.values():
             if r["lr_schedule"] != lr_schedule or r["seed"] != 0:
@@ -260,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--only", default=None, help=f"comma-separated schedules ({', '.join(SCHEDULES)})")
+    p.add_argument("--runs", default=None, help="comma-separated run names to run now, in this order")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--setting", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -272,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     setting = base.QUICK if args.quick else base.FULL
     only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
     out.mkdir(parents=True, exist_ok=True)
-    results = run_all(setting, out, max(1, args.jobs), only)
+    names = None if args.runs is None else [x.strip() for x in args.runs.split(",") if x.strip()]
+    results = run_all(setting, out, max(1, args.jobs), only, names)
     rows = summarise(results)
     (out / "results.json").write_text(json.dumps({"setting": setting.name, "setting_key": setting.key(),
                                                    "runs": rows}, indent=1))
