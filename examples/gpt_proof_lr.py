@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--only", default=None, help=f"comma-separated schedules ({', '.join(SCHEDULES)})")
     p.add_argument("--runs", default=None, help="comma-separated run names to run now, in this order")
+    p.add_argument("--report-only", action="store_true", help="run nothing; rebuild the table, JSON and PNG")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--setting", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
     out.mkdir(parents=True, exist_ok=True)
     names = None if args.runs is None else [x.strip() for x in args.runs.split(",") if x.strip()]
-    results = run_all(setting, out, max(1, args.jobs), only, names)
+    results = run_all(setting, out, max(1, args.jobs), {"-"} if args.report_only else only, names)
     rows = summarise(results)
     (out / "results.json").write_text(json.dumps({"setting": setting.name, "setting_key": setting.key(),
                                                    "runs": rows}, indent=1))
