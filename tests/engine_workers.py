@@ -48,3 +48,40 @@ def loop_ignores_accumulation(rank: int, world: int, init_file: str, out_dir: st
             json.dump({"error": error, "steps": steps, "params": params}, f)
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_schedule(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """FSDP2 on 2 ranks: a cosine scheduler handed to FSDPTracker while a plan grows the batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    from cbs_tracker.integrations.fsdp import FSDPTracker
+    from tests.dist_workers import make_model
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = make_model(torch.float64)
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=48, eta_min=0.01)
+        tracker = FSDPTracker(model, opt, accumulation_steps=2, unit="samples",
+                              controller=_controller({2: 4, 3: 8, 4: 16}), lr_scheduler=sched)
+        g = torch.Generator().manual_seed(rank)
+        rows = []
+        while tracker.starting_batch_steps + tracker.accumulation_steps // 2 <= 48:
+            acc = tracker.accumulation_steps
+            for _ in range(acc):
+                x = torch.randn(3, 6, generator=g, dtype=torch.float64)  # D_IN of make_model
+                with tracker.microbatch(size=3):
+                    (model(x).pow(2).mean() / acc).backward()
+            position = tracker.starting_batch_steps
+            tracker.step()
+            rows.append([position, acc, float(opt.param_groups[0]["lr"])])
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        with open(os.path.join(out_dir, f"fsdp{rank}.json"), "w") as f:
+            json.dump({"rows": rows, "last_epoch": sched.last_epoch, "position": tracker.starting_batch_steps}, f)
+    finally:
+        dist.destroy_process_group()

@@ -229,3 +229,28 @@ def test_lightning_schedule_sized_from_estimated_stepping_batches_finishes_with_
     assert sched.last_epoch == const_sched.last_epoch == len(const)
     assert cbs.starting_batch_steps == len(const)
     assert trainer.global_step < len(const) / 2
+
+
+def test_fsdp2_on_two_gloo_ranks_follows_the_same_timing(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests import engine_workers
+
+    mp.spawn(engine_workers.fsdp_schedule, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"fsdp{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    const = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=48, eta_min=0.01)
+    reference = []
+    for _ in range(48):
+        reference.append(opt.param_groups[0]["lr"])
+        opt.step()
+        const.step()
+    rows = ranks[0]["rows"]
+    assert max(a for _, a, _ in rows) == 16
+    for position, acc, lr in rows:  # SGD: linear coupling
+        assert lr == pytest.approx(reference[position] * acc / A0, rel=1e-9), (position, acc)
+    assert ranks[0]["position"] == ranks[0]["last_epoch"] == 48

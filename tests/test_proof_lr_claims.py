@@ -1,0 +1,37 @@
+"""The README's proof under decaying learning rates against docs/proof_lr_results.json (what the script wrote)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_rows() -> list[list[str]]:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| run | LR schedule | seed | final val loss |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().replace("**", "") for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_readme_proof_table_is_what_the_script_wrote():
+    runs = {(r["name"].rsplit("_seed", 1)[0], r["seed"]): r for r in json.loads(
+        (ROOT / "docs" / "proof_lr_results.json").read_text())["runs"]}
+    rows = _readme_rows()
+    assert len(rows) == len(runs)
+    for row in rows:
+        run = runs[(row[0], int(row[2]))]
+        assert row[1] == run["lr_schedule"]
+        assert float(row[3]) == round(run["final_val_loss"], 4)
+        assert int(row[5].replace(",", "")) == run["steps"]
+        if "delta_loss_vs_constant_512" in run:
+            assert float(row[4]) == run["delta_loss_vs_constant_512"]
+            assert row[6] == f"{run['fewer_steps_vs_constant_512']:.0%}"
+    # every tracker run is named as such and carries its LR schedule
+    assert all(r["lr_schedule"] in ("cosine", "wsd", "constant") for r in runs.values())
+    assert all(r["schedule"] == "constant" or r["schedule"].startswith("tracker") for r in runs.values())
