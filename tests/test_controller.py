@@ -604,7 +604,7 @@ def _schedulers(torch):
 @pytest.mark.parametrize("name", ["lambda", "cosine_eta_min", "step", "sequential", "onecycle"])
 @pytest.mark.parametrize("at", [5, 17])
 def test_apply_lr_factor_multiplies_what_a_real_torch_scheduler_sets(name, at):
-    torch = pytest.importorskip("torch")
+    import torch
     factor = 2.0
 
     def run(apply_at):
@@ -630,7 +630,7 @@ def test_apply_lr_factor_multiplies_what_a_real_torch_scheduler_sets(name, at):
 
 def test_without_the_scheduler_a_closed_form_scheduler_undoes_the_factor():
     # documents why apply_lr_factor takes the scheduler: LambdaLR recomputes from base_lrs
-    torch = pytest.importorskip("torch")
+    import torch
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
     apply_lr_factor(opt, 2.0)
@@ -640,7 +640,7 @@ def test_without_the_scheduler_a_closed_form_scheduler_undoes_the_factor():
 
 
 def test_apply_lr_factor_tensor_lr_scaled_in_place_once():
-    torch = pytest.importorskip("torch")
+    import torch
     lr = torch.tensor(0.1)
     opt = type("O", (), {})()
     opt.param_groups = [{"lr": lr, "initial_lr": lr}]

@@ -73,7 +73,8 @@ def test_cbs_tracker_from_one_32nd_of_the_noise_scale():
 
 
 def test_lightning_callback_from_one_32nd_of_the_noise_scale():
-    pl = pytest.importorskip("lightning.pytorch")
+    import lightning.pytorch as pl
+
     from cbs_tracker import CBSCallback
 
     class Stream(torch.utils.data.IterableDataset):

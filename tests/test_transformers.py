@@ -10,12 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import accelerate  # noqa: F401,E402  (the [test] extra installs both; a missing one must fail, not skip)
 import pytest
 import torch
-
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-
+import transformers  # noqa: F401,E402
 from cbs_tracker.integrations.transformers import STATE_FILE, CBSTrainer  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
 
