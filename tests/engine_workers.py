@@ -46,6 +46,7 @@ def loop_ignores_accumulation(rank: int, world: int, init_file: str, out_dir: st
         params = [p.detach().flatten().tolist() for p in model.parameters()]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"error": error, "steps": steps, "params": params}, f)
+        dist.barrier()  # both ranks done before the group goes away (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 
@@ -83,5 +84,6 @@ def fsdp_schedule(rank: int, world: int, init_file: str, out_dir: str) -> None:
             opt.zero_grad(set_to_none=True)
         with open(os.path.join(out_dir, f"fsdp{rank}.json"), "w") as f:
             json.dump({"rows": rows, "last_epoch": sched.last_epoch, "position": tracker.starting_batch_steps}, f)
+        dist.barrier()  # both ranks done before the group goes away (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
