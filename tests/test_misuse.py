@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -474,5 +475,3 @@ def test_plain_loop_and_lightning_give_the_same_records_step_for_step():
             if a is not None:
                 assert a == pytest.approx(b, rel=1e-5, abs=1e-12), (p.step, key)
 
-
-import re  # noqa: E402  (used by the tests above)

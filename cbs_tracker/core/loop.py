@@ -124,6 +124,7 @@ class LoopTracker:
             logger=logger,
         )
         self._module = self._unwrap(model)
+        self._all_params: list[nn.Parameter] = list(self._module.parameters())
         self._avg_ranks = self._averaging_ranks(grads_averaged_over_ranks)
         self._transform = adam_preconditioner(optimizer) if preconditioner == "adam" else None
         self.collector = GradStatsCollector([], transform=self._transform, register=False)
@@ -148,8 +149,6 @@ class LoopTracker:
 
     def _trainable(self) -> list[nn.Parameter]:
         # the module's parameters are listed once; their requires_grad is read every window
-        if getattr(self, "_all_params", None) is None:
-            self._all_params = list(self._module.parameters())
         return [p for p in self._all_params if p.requires_grad]
 
     def _register_hooks(self) -> None:
