@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=1, help="CPU processes")
     p.add_argument("--strategy", default="auto", help="e.g. ddp or ddp_spawn with --devices 2")
     p.add_argument("--progress-bar", action="store_true", help="show Lightning's progress bar")
+    p.add_argument("--log-every-n-steps", type=int, default=10, help="log every this many steps")
     p.add_argument("--quick", action="store_true", help="tiny budget and fast controller settings")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         gradient_clip_val=1.0,  # clipped after CBSCallback read the unclipped norm
         callbacks=[cbs, PrintChanges(cbs)],
         logger=TensorBoardLogger(args.logdir, name="", version=None),
-        log_every_n_steps=10,
+        log_every_n_steps=args.log_every_n_steps,
         enable_checkpointing=False,
         enable_progress_bar=args.progress_bar,
         enable_model_summary=False,
