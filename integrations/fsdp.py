@@ -148,6 +148,10 @@ class FSDPTracker(LoopTracker):
     def _skips_sync(self) -> bool:
         return self.gradient_sync == "last"
 
+    def _unsynced(self, last: bool) -> bool:
+        # the hooks sit on the unsharded parameters; .grad holds the reduce-scattered shard
+        return False
+
     def _sync_context(self, last: bool) -> AbstractContextManager[Any]:
         if self.gradient_sync == "last":
             self.model.set_requires_gradient_sync(last)

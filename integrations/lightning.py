@@ -20,6 +20,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -180,6 +181,7 @@ class CBSCallback(Callback):
 
         self.session: TrackingSession | None = None
         self.collector: GradStatsCollector | None = None
+        self._unsynced = False
         self.dp_group: Any | None = None
         self._avg_ranks = 1
         self._transform: Any = None
@@ -309,6 +311,8 @@ class CBSCallback(Callback):
         if not self._params:
             raise ValueError("CBSCallback: the LightningModule has no parameter with requires_grad=True")
         self.collector = GradStatsCollector(self._params, transform=self._transform)
+        # one device, no wrapper: a backward never syncs, so a window's first gradients can be read from .grad
+        self._unsynced = isinstance(trainer.strategy, SingleDeviceStrategy)
         self._apply_restored(trainer)
         if self.session.starting_accumulation * self.session.dp_degree < 2:
             self.session.warn_once(
@@ -403,7 +407,7 @@ class CBSCallback(Callback):
             self._refresh_params(pl_module)
         # Lightning divided this microbatch's loss by the value it reads right now.
         self._window_divisors.add(int(trainer.accumulate_grad_batches))
-        self.collector.begin_microbatch()
+        self.collector.begin_microbatch(unsynced=self._unsynced)
 
     def _refresh_params(self, pl_module: pl.LightningModule) -> None:
         """At a window's first backward: hook parameters that became trainable (gradual unfreezing)."""

@@ -71,7 +71,12 @@ class CBSTracker(LoopTracker):
         return self._ddp
 
     def _sync_context(self, last: bool) -> AbstractContextManager[Any]:
+        if not self._unsynced(last) or not self._ddp:
+            return nullcontext()
+        return self.model.no_sync()
+
+    def _unsynced(self, last: bool) -> bool:
+        if not self._ddp:
+            return True
         sync_anyway = self._needs_synced_first_step and self.session.step == 0
-        if self._ddp and not last and not sync_anyway:
-            return self.model.no_sync()
-        return nullcontext()
+        return not last and not sync_anyway

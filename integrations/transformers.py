@@ -133,6 +133,7 @@ class CBSTrainer(Trainer):
         self.session: TrackingSession | None = None
         self.applied_changes: list[tuple[int, int, int, int]] = []  # (step, epoch, microbatch in epoch, new A)
         self._collector: GradStatsCollector | None = None
+        self._unsynced = False
         self._params: list[nn.Parameter] = []
         self._restored: dict[str, Any] | None = None
         self._clear_run()
@@ -296,6 +297,10 @@ class CBSTrainer(Trainer):
         if self._collector is not None:
             self._collector.remove()
         self._collector = GradStatsCollector(self._params, transform=transform)
+        # one process, no sharding wrapper: a backward never syncs (a window's first gradients are read from .grad)
+        self._unsynced = (
+            cbs_dist.group_size(dp_group) == 1 and not self.is_fsdp_enabled and not self.is_deepspeed_enabled
+        )
         self._transform = transform
         self._avg_ranks = cbs_dist.group_size(dp_group)  # DDP averages over all ranks
         if self._steps_in_epoch is not None and self._can_grow():
@@ -422,7 +427,7 @@ class CBSTrainer(Trainer):
         if collector is None or self._window_index >= len(self._window):
             return super().training_step(model, inputs, num_items_in_batch)
         size = self._window[self._window_index]
-        collector.begin_microbatch()
+        collector.begin_microbatch(unsynced=self._unsynced)
         loss = super().training_step(model, inputs, num_items_in_batch)
         collector.end_microbatch(size)
         self._window_index += 1

@@ -134,13 +134,14 @@ def train(
 
 
 def reference_run(
-    *, steps: int, dp_size: int, nan_at: tuple[int, int] | None = None, available: Any = None
+    *, steps: int, dp_size: int, nan_at: tuple[int, int] | None = None, available: Any = None,
+    start_accumulation: int = START_ACCUMULATION,
 ) -> dict[str, Any]:
     """One process, no ``torch.distributed``: the microbatches of all DP ranks in one window."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     tracker = CBSTracker(
-        model, opt, accumulation_steps=START_ACCUMULATION * dp_size, unit="samples",
+        model, opt, accumulation_steps=start_accumulation * dp_size, unit="samples",
         estimator=make_estimator(), controller=make_controller(),
     )
     records = train(
@@ -279,8 +280,10 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
     common = {"unit": "samples", "estimator": make_estimator(), "controller": make_controller()}
     acc = START_ACCUMULATION
     payload: dict[str, Any] = {}
-    if name in ("ddp", "ddp_static_bucket_view", "ddp_nonfinite"):
+    if name in ("ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_one_microbatch"):
         kw = {"gradient_as_bucket_view": True, "static_graph": True} if name == "ddp_static_bucket_view" else {}
+        if name == "ddp_one_microbatch":
+            acc = 1  # the first microbatch is also the last: its backward syncs, .grad is not local
         # buckets of ~100 bytes: the 65 float64 parameters need several, so "once per bucket" is seen
         model = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=1e-4, **kw)
         log = CollectiveLog()

@@ -47,9 +47,9 @@ def _ref_sq(model: GPT, micro, scale: float = 1.0, transform=None) -> list[float
     return out
 
 
-def _run(model: GPT, collector: GradStatsCollector, micro, scale: float = 1.0) -> list[torch.Tensor]:
+def _run(model: GPT, collector: GradStatsCollector, micro, scale: float = 1.0, unsynced: bool = False) -> list[torch.Tensor]:
     for x, y in micro:
-        collector.begin_microbatch()
+        collector.begin_microbatch(unsynced=unsynced)
         (model(x, y)[1] * scale).backward()
         collector.end_microbatch(float(x.numel()))
     return collector.microbatch_sq_norms()
@@ -74,16 +74,19 @@ class _OpCounter(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------------------ single process
+@pytest.mark.parametrize("unsynced", [False, True], ids=["hooks", "first-from-grad"])
 @pytest.mark.parametrize("bucket", ["default", "tiny", "all", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_tied_gpt_matches_materialised_gradients(bucket, dtype):
+def test_tied_gpt_matches_materialised_gradients(bucket, dtype, unsynced):
     model = _gpt(dtype)
     size = {"default": None, "tiny": 3000, "all": 10 * _grad_bytes(model), "eager": 0}[bucket]
     collector = GradStatsCollector(model.parameters(), bucket_bytes=size)
     micro = _micro(1, [(2, 8), (3, 5), (1, 8)])
     ref = _ref_sq(model, micro, scale=64.0)  # an AMP-like loss scale stays in the hooked norms
-    for step in range(2):  # step 0 starts from .grad None (autograd steals the gradient), then it accumulates
-        got = _run(model, collector, micro, scale=64.0)
+    # step 0 starts from .grad None (autograd steals the gradient; unsynced: the first microbatch
+    # is read from .grad), step 1 accumulates onto step 0's .grad (unsynced: hooks again throughout)
+    for step in range(2):
+        got = _run(model, collector, micro, scale=64.0, unsynced=unsynced)
         collector.reset_window()
         rel = 1e-12 if dtype == torch.float64 else 2e-6  # float64 is never narrowed to float32
         assert [float(t) for t in got] == pytest.approx(ref, rel=rel)
@@ -141,6 +144,89 @@ def test_two_backwards_in_one_microbatch_sum_per_backward():
     collector.end_microbatch(32.0)
     assert float(collector.microbatch_sq_norms()[0]) == pytest.approx(sum(ref), rel=2e-6)
     assert collector.hooks_fired_in_last_microbatch == 2 * collector.num_hooks
+
+
+def test_first_microbatch_read_from_grad_does_no_hook_work_and_falls_back_when_grad_is_set():
+    model = _gpt()
+    collector = GradStatsCollector(model.parameters(), bucket_bytes=10 * _grad_bytes(model))
+    micro = _micro(10, [(2, 8), (2, 8)])
+    ref = _ref_sq(model, micro)
+    (x, y), (x2, y2) = micro
+    plain = _OpCounter()
+    with plain:
+        model(x, y)[1].backward()
+    model.zero_grad(set_to_none=True)
+    collector.begin_microbatch(unsynced=True)
+    tracked = _OpCounter()
+    with tracked:
+        model(x, y)[1].backward()
+    # the hooks only counted: the backward ran exactly the untracked backward's operators, held nothing
+    assert tracked.counts == plain.counts
+    assert collector.held_bytes == 0
+    ends = _OpCounter()
+    with ends:  # the norm is read from .grad when the microbatch ends: one fused norm
+        collector.end_microbatch(16.0)
+    assert ends.counts == Counter({"_foreach_norm": 1, "stack": 1, "dot": 1})
+    assert collector.hooks_fired_in_last_microbatch == collector.num_hooks
+    # the second microbatch finds .grad set: measured in its hooks, not from .grad
+    collector.begin_microbatch(unsynced=True)
+    model(x2, y2)[1].backward()
+    collector.end_microbatch(16.0)
+    assert [float(t) for t in collector.microbatch_sq_norms()] == pytest.approx(ref, rel=2e-6)
+
+
+def test_first_microbatch_from_grad_with_adam_preconditioner_and_an_unused_parameter():
+    model = _gpt()
+    extra = torch.nn.Parameter(torch.randn(5))  # hooked and trainable, but no microbatch uses it
+    params = [*model.parameters(), extra]
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+    pre = adam_preconditioner(opt)
+    micro = _micro(11, [(2, 8), (3, 6)])
+    for _ in range(2):
+        for x, y in micro:
+            model(x, y)[1].backward()
+        extra.grad = torch.ones(5)  # optimizer state for it too
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    collector = GradStatsCollector(params, transform=pre)
+
+    def formula(p, g):
+        st = opt.state[p]
+        return g / ((st["exp_avg_sq"] / (1 - 0.95 ** float(st["step"]))).sqrt() + 1e-6)
+
+    want = _ref_sq(model, micro, transform=formula)
+    got = _run(model, collector, micro, unsynced=True)
+    assert not collector.window_unmeasurable
+    assert [float(t) for t in got] == pytest.approx(want, rel=2e-6)
+
+
+def test_two_backwards_in_a_microbatch_read_from_grad_measure_their_sum():
+    """Read from ``.grad``, the microbatch's norm is that of its whole gradient ``|g1 + g2|^2``."""
+    model = _gpt()
+    collector = GradStatsCollector(model.parameters())
+    (x1, y1), (x2, y2) = _micro(4, [(2, 8), (2, 8)])
+    params = list(model.parameters())
+    g1 = torch.autograd.grad(model(x1, y1)[1], params)
+    g2 = torch.autograd.grad(model(x2, y2)[1], params)
+    want = sum(float((a.double() + b.double()).pow(2).sum()) for a, b in zip(g1, g2, strict=True))
+    collector.begin_microbatch(unsynced=True)
+    model(x1, y1)[1].backward()
+    model(x2, y2)[1].backward()
+    collector.end_microbatch(32.0)
+    assert float(collector.microbatch_sq_norms()[0]) == pytest.approx(want, rel=2e-6)
+
+
+def test_host_window_sums_equal_the_device_form():
+    collector = GradStatsCollector([])
+    sq = [2.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0]
+    sizes = [4.0, torch.tensor(0), torch.tensor(8.0), float("nan"), -1.0, torch.tensor(float("inf")), 2]
+    for s, b in zip(sq, sizes, strict=True):
+        collector.begin_microbatch()
+        collector.end_microbatch(b)
+        collector._micro_sq[-1] = torch.tensor(s)
+    host = collector.host_window_sums()
+    assert host == pytest.approx(collector.window_sums(torch.device("cpu")).tolist(), rel=1e-15)
+    assert host == pytest.approx([28.0, 3, 1 / 4 + 1 / 8 + 1 / 2, 14.0, 3], rel=1e-15)
 
 
 def test_held_bytes_stay_within_the_bucket_bound():

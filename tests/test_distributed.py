@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(
 STEPS = 10
 RTOL = 1e-9  # see the module docstring
 TWO_RANK = [
-    "ddp", "ddp_static_bucket_view", "fsdp_last", "fsdp_every", "ddp_nonfinite", "fsdp_nonfinite",
+    "ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "fsdp_last", "fsdp_every", "ddp_nonfinite", "fsdp_nonfinite",
     "fsdp_bf16", "manual_ranout", "errors_2",
 ]
 FOUR_RANK = ["mesh_ddp_dp_tp", "mesh_fsdp_dp_tp", "mesh_hsdp", "errors_4"]
@@ -103,12 +103,17 @@ def assert_same_run(
 
 
 # ---------------------------------------------------------------------------- 2 ranks
-@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "fsdp_last", "fsdp_every"])
+@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "fsdp_last", "fsdp_every"])
 def test_two_ranks_match_single_process(two_ranks, name):
-    ref = dw.reference_run(steps=STEPS, dp_size=2)
-    # the run is not trivial: the controller grows the batch, and every step is measured
-    assert any(r["next_accumulation_steps"] != r["accumulation_steps"] for r in ref["records"])
-    assert all(r["noise_scale"] is not None for r in ref["records"][1:])
+    # ddp_one_microbatch starts at one microbatch per rank: every backward of its first window syncs
+    ref = dw.reference_run(steps=STEPS, dp_size=2, start_accumulation=1 if name == "ddp_one_microbatch" else 2)
+    # the run is not trivial: the controller grows the batch (from 2 per rank), and every step is measured
+    if name != "ddp_one_microbatch":
+        assert any(r["next_accumulation_steps"] != r["accumulation_steps"] for r in ref["records"])
+        assert all(r["noise_scale"] is not None for r in ref["records"][1:])
+    else:  # two microbatches a step: |G|^2 is measured every step, the noise scale once it is positive
+        assert all(r["grad_sq_norm"] is not None for r in ref["records"])
+        assert sum(r["noise_scale"] is not None for r in ref["records"]) >= STEPS // 2
     assert_same_run(two_ranks[name], ref, 2)
 
 

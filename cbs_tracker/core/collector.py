@@ -3,13 +3,17 @@
 A hook on each parameter sees that microbatch's local gradient (before it is added
 into ``.grad`` and before DDP's all-reduce) and only files it into a bucket per
 device and dtype; one fused ``torch._foreach_norm`` per bucket runs when the bucket
-is full, when the backward ends and when the microbatch ends. Nothing is copied to
-the host: the numbers stay on the device until the tracker reduces them once per
-optimizer step, still carrying the loss factors (``1/A``, the AMP loss scale).
+is full, when the backward ends and when the microbatch ends. A microbatch whose
+gradients all land in empty ``.grad`` slots without a sync (a window's first one,
+when the adapter says nothing syncs in it) needs no hook work at all: its norms are
+read from ``.grad`` when it ends. Nothing is copied to the host on an accelerator:
+the numbers stay on the device until the tracker reduces them once per optimizer
+step, still carrying the loss factors (``1/A``, the AMP loss scale).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -195,6 +199,8 @@ class GradStatsCollector:
         self._limit = 0 if bucket_bytes is None else int(bucket_bytes)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked: set[int] = set()
+        self._hooked_params: list[nn.Parameter] = []
+        self._from_grad = False  # this microbatch's norms are read from .grad at its end
         self._param_bytes = 0
         self._lock = threading.Lock()  # hooks of several devices run on several autograd threads
         self._recording = False
@@ -227,6 +233,7 @@ class GradStatsCollector:
         if not param.requires_grad or id(param) in self._hooked:
             return
         self._hooked.add(id(param))
+        self._hooked_params.append(param)
         self._param_bytes += param.numel() * param.element_size()
         self._limit = self.bucket_bytes
         self._handles.append(param.register_hook(self._make_hook(param)))
@@ -247,6 +254,9 @@ class GradStatsCollector:
         def fn(grad: torch.Tensor) -> None:
             if not self._recording:
                 self.hooks_fired_outside += 1
+                return
+            if self._from_grad:  # read from .grad when the microbatch ends
+                self._hooks_this_microbatch += 1
                 return
             with self._lock:
                 self._hooks_this_microbatch += 1
@@ -333,12 +343,31 @@ class GradStatsCollector:
             norms = torch._foreach_norm(grads, 2, dtype=norm_dtype)
         self._norms.setdefault((grads[0].device, norm_dtype), []).extend(norms)
 
+    def _reduce_grads(self) -> None:
+        """The norms of this microbatch's gradients as they stand in ``.grad`` (empty at its start)."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], list[torch.Tensor]]] = {}
+        for p in self._hooked_params:
+            g = p.grad
+            if g is not None:
+                ps, gs = groups.setdefault((g.device, g.dtype), ([], []))
+                ps.append(p)
+                gs.append(g)
+        for ps, gs in groups.values():
+            if self._hook_transform is not None:
+                out = [self._hook_transform(p, g) for p, g in zip(ps, gs, strict=True)]
+                if any(t is None for t in out):
+                    self._skipped = True
+                    return
+                gs = out  # type: ignore[assignment]
+            self._reduce(ps, gs)
+
     def remove(self) -> None:
         """Remove every hook (the model is left as it was)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._hooked.clear()
+        self._hooked_params.clear()
         self._param_bytes = 0
         self._limit = self.bucket_bytes
 
@@ -347,10 +376,21 @@ class GradStatsCollector:
         return len(self._handles)
 
     # ------------------------------------------------------------------ window
-    def begin_microbatch(self) -> None:
-        """Start recording the hooks of one microbatch's backward."""
+    def begin_microbatch(self, *, unsynced: bool = False) -> None:
+        """Start recording the hooks of one microbatch's backward.
+
+        Args:
+            unsynced: the caller guarantees that no gradient sync or reshard runs in
+                this microbatch's backward (one process; DDP under ``no_sync``), so
+                each hooked parameter's ``.grad`` ends up as that microbatch's local
+                gradient wherever it starts empty. If every hooked ``.grad`` is
+                ``None`` now, the hooks only count and the norms are taken from
+                ``.grad`` at :meth:`end_microbatch` (one fused norm per device and
+                dtype, nothing held); otherwise the hooks measure as usual.
+        """
         if self._recording:
             raise RuntimeError("GradStatsCollector.begin_microbatch: the previous microbatch was not ended")
+        self._from_grad = unsynced and not self._eager and all(p.grad is None for p in self._hooked_params)
         self._recording = True
         self._norms = {}
         self._skipped = False
@@ -363,8 +403,11 @@ class GradStatsCollector:
         in :meth:`window_sums`.
         """
         with self._lock:
+            if self._from_grad:
+                self._reduce_grads()
             self._flush()
             self._recording = False
+            self._from_grad = False
             self._callback_queued = False
             groups, self._norms = self._norms, {}
         if self._skipped:
@@ -423,6 +466,31 @@ class GradStatsCollector:
         sums = torch.where(valid.unsqueeze(1), cols, 0.0).sum(0)
         invalid = (~ok).sum(dtype=torch.float64)
         return torch.cat([sums, invalid.reshape(1)])
+
+    def host_window_sums(self) -> list[float] | None:
+        """:meth:`window_sums` as Python floats when every value already lives on the host.
+
+        On a CPU there is no device sync to avoid, and a handful of host additions
+        costs less than the dozen small tensor operators of :meth:`window_sums`.
+        Returns ``None`` when a norm or a size lives on an accelerator.
+        """
+        total_sq = count = inv_sum = units = invalid = 0.0
+        for sq, size in zip(self._micro_sq, self._micro_size, strict=True):
+            if sq.device.type != "cpu":
+                return None
+            if isinstance(size, torch.Tensor):
+                if size.device.type != "cpu":
+                    return None
+                size = size.item()
+            b = float(size)
+            if not (math.isfinite(b) and b >= 0.0):
+                invalid += 1.0
+            elif b > 0.0:
+                total_sq += sq.item()
+                count += 1.0
+                inv_sum += 1.0 / b
+                units += b
+        return [total_sq, count, inv_sum, units, invalid]
 
     def reset_window(self) -> None:
         self._micro_sq = []

@@ -186,6 +186,10 @@ class LoopTracker:
         """The adapter skips the gradient sync on all but the last microbatch of a window."""
         return False
 
+    def _unsynced(self, last: bool) -> bool:
+        """No gradient sync or reshard runs inside this microbatch's backward (``.grad`` stays local)."""
+        return True
+
     # ------------------------------------------------------------------ public state
     @property
     def unit(self) -> Unit:
@@ -301,7 +305,7 @@ class LoopTracker:
             self._begin_window()
         last = self._window_index >= self.session.accumulation_steps - 1
         self._in_microbatch = True
-        self.collector.begin_microbatch()
+        self.collector.begin_microbatch(unsynced=self._unsynced(last))
         try:
             with self._sync_context(last):
                 yield

@@ -102,6 +102,14 @@ def reduce_window(
     big = local_grad_sq_norm(big_params, transform)
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)
+    if device.type == "cpu" and ref.device.type == "cpu" and (scale is None or scale.device.type == "cpu"):
+        host = collector.host_window_sums()
+        if host is not None:
+            return _reduce_on_host(
+                collector, host, big, dp_group=dp_group, loss_divisor=loss_divisor, avg_ranks=avg_ranks,
+                scale=scale, transform=transform, big_norm_is_sharded=big_norm_is_sharded,
+                expected_microbatches=expected_microbatches,
+            )
     sums = collector.window_sums(device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     invalid = sums[4] if sums.numel() > 4 else zero
@@ -132,7 +140,47 @@ def reduce_window(
         ]
     )
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
-    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran = vec.tolist()  # one host sync
+    return _step_stats(vec.tolist(), avg_ranks=avg_ranks, loss_divisor=loss_divisor)  # one host sync
+
+
+def _reduce_on_host(
+    collector: GradStatsCollector,
+    sums: list[float],
+    big: torch.Tensor | None,
+    *,
+    dp_group: Any | None,
+    loss_divisor: float,
+    avg_ranks: int,
+    scale: torch.Tensor | None,
+    transform: GradTransform | None,
+    big_norm_is_sharded: bool,
+    expected_microbatches: int | None,
+) -> tuple[StepStats, WindowFaults]:
+    """:func:`reduce_window` with every number on the host (CPU training, gloo): same vector, floats."""
+    small_sum = sums[0]
+    if scale is not None:
+        small_sum = small_sum / float(scale) ** 2
+    small_sum = small_sum * float(loss_divisor) ** 2
+    unmeasurable = collector.window_unmeasurable or (big is None and transform is not None)
+    big_val = 0.0 if big is None else big.item()
+    if not (big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0):
+        big_val = 0.0
+    finite = math.isfinite(small_sum) and math.isfinite(big_val)
+    local_k = collector.num_microbatches
+    mismatch = expected_microbatches is not None and local_k not in (0, expected_microbatches)
+    values = [
+        small_sum if finite else 0.0, sums[1], sums[2], sums[3], big_val if finite else 0.0,
+        0.0 if finite else 1.0, float(unmeasurable), float(mismatch), sums[4], float(local_k),
+    ]
+    if cbs_dist.is_distributed() and cbs_dist.group_size(dp_group) > 1:
+        vec = torch.tensor(values, dtype=torch.float64)
+        values = cbs_dist.all_reduce_sum(vec, dp_group).tolist()
+    return _step_stats(values, avg_ranks=avg_ranks, loss_divisor=loss_divisor)
+
+
+def _step_stats(values: list[float], *, avg_ranks: int, loss_divisor: float) -> tuple[StepStats, WindowFaults]:
+    """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran]``."""
+    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran = values
     k = int(round(count))
     big_sq = big_total * (avg_ranks * float(loss_divisor) / max(k, 1)) ** 2
     stats = StepStats(
