@@ -1,9 +1,12 @@
 """What the tracker costs: step time and peak memory with and without it, side by side.
 
 Step time: the same model, data and optimizer alternate steps without and with an
-observe-only tracker in one process; the median ratio is printed. Peak memory: two fresh
-child processes (peak RSS on CPU, ``max_memory_allocated`` on CUDA), compared with the
-size of one copy of the gradients.
+observe-only tracker in one process; the median ratio is printed. Beside them run the
+same steps with only the memory traffic any exact per-microbatch measurement needs
+("norms only": one fused norm over the gradient after each microbatch and one over
+the step's gradient, ``K + 1`` passes, no tracker), so the tracker's own cost can be
+told from that floor. Peak memory: two fresh child processes (peak RSS on CPU,
+``max_memory_allocated`` on CUDA), compared with the size of one copy of the gradients.
 
     python benchmarks/overhead.py [--json]     # 10m-preset GPT by default
 """
@@ -23,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbs_tracker import BatchSizeController, CBSTracker
+from cbs_tracker.core.collector import GradStatsCollector
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
@@ -37,7 +41,15 @@ def _setup(args):
     return model, optimizer, stream
 
 
-def _step(model, optimizer, stream, args, tracker=None, phase=None, cpu_times=None):
+def _norm_pass(params) -> torch.Tensor:
+    """One fused pass over the gradients now in ``.grad``: their squared norm (the "norms only" floor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    v = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    return torch.dot(v, v)
+
+
+def _step(model, optimizer, stream, args, tracker=None, phase=None, cpu_times=None, norms_only=False,
+          tracker_clip=False):
     """One optimizer step of ``args.accumulation`` microbatches; returns seconds.
 
     ``phase(name)`` (op counting) is called before the microbatches (``"micro"``)
@@ -57,11 +69,18 @@ def _step(model, optimizer, stream, args, tracker=None, phase=None, cpu_times=No
         with ctx:
             _, loss = model(x, y)
             (loss / args.accumulation).backward()
+        if norms_only:
+            _norm_pass(model.parameters())
     if phase is not None:
         phase("step")
     if tracker is not None:
         tracker.step()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if norms_only:
+        _norm_pass(model.parameters())
+    if tracker_clip:
+        tracker.clip_grad_norm_(1.0)  # reuses the step's norm
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if args.device.startswith("cuda"):
@@ -111,12 +130,20 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(model, optimizer, stream, args, tracker) -> dict:
+def count_ops(model, optimizer, stream, args, tracker, *, device_path: bool = False) -> dict:
     """Operators the tracker adds per microbatch and per optimizer step (one counted step each).
 
     Both variants run one untimed step first (optimizer state exists, the tracker's
-    path is warm), then one step under the counter.
+    path is warm), then one step under the counter. On a CPU the window's sums are
+    host floats; ``device_path=True`` counts the tensor path an accelerator takes instead.
     """
+    if device_path:
+        original = GradStatsCollector.host_window_sums
+        GradStatsCollector.host_window_sums = lambda self: None
+        try:
+            return count_ops(model, optimizer, stream, args, tracker)
+        finally:
+            GradStatsCollector.host_window_sums = original
     counted = {}
     for variant in ("plain", "tracker"):
         use = tracker if variant == "tracker" else None
@@ -175,6 +202,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print a JSON object as the last line")
     p.add_argument("--count-ops-only", action="store_true", help="only count the operators the tracker adds")
+    p.add_argument("--tracker-clip", action="store_true",
+                   help="also time the loop clipping with tracker.clip_grad_norm_ (reuses the step's norm)")
     p.add_argument("--child", choices=["plain", "tracker"], help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -186,9 +215,6 @@ def main() -> int:
     tokens = args.micro_sequences * args.seq_len
     print(f"model: {n_params / 1e6:.1f}M parameters, microbatch {tokens} tokens, accumulation {args.accumulation}, "
           f"{args.threads} thread(s), device {args.device}")
-    plain_times: list[float] = []
-    tracked_times: list[float] = []
-    cpu: dict[str, list[float]] = {"plain": [], "tracker": []}
     tracker = _make_tracker(model, optimizer, args)
     tracker.remove_hooks()
     ops = count_ops(model, optimizer, stream, args, tracker)
@@ -199,31 +225,56 @@ def main() -> int:
           f"{len([p for p in model.parameters() if p.requires_grad])} parameter tensors")
     print(f"  per microbatch ({args.accumulation} microbatches): {ops['micro_ops']}")
     print(f"  optimizer-step part: {ops['step_ops']}")
+    if not args.device.startswith("cuda"):
+        dev = count_ops(model, optimizer, stream, args, tracker, device_path=True)
+        ops["ops_added_per_step_device_path"] = dev["ops_added_per_step_total"]
+        print(f"  on an accelerator the window's sums stay tensors: {dev['ops_added_per_step_total']} per optimizer "
+              f"step (optimizer-step part: {dev['step_ops']})")
     if args.count_ops_only:
         if args.json:
             print(json.dumps({k: v for k, v in ops.items() if not k.endswith("_ops")}))
         return 0
     for _ in range(args.warmup):
         _step(model, optimizer, stream, args)
+    variants = ["plain", "tracker", "norms_only"] + (["tracker_clip"] if args.tracker_clip else [])
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
     for r in range(args.rounds + 1):
-        # alternate the order inside a round, so drift does not favour one side
-        order = ("plain", "tracker") if r % 2 == 0 else ("tracker", "plain")
+        # rotate (and reverse every other round) the order inside a round, so drift favours no variant
+        shift = r % len(variants)
+        order = variants[shift:] + variants[:shift]
+        if r % 2:
+            order = order[::-1]
         for variant in order:
-            if variant == "tracker":
+            tracked = variant.startswith("tracker")
+            if tracked:
                 tracker._register_hooks()
             for _ in range(args.steps_per_round):
                 cpu_t: list[float] = []
-                t = _step(model, optimizer, stream, args, tracker if variant == "tracker" else None, cpu_times=cpu_t)
-                if r > 0:  # round 0 warms the tracker's path up
-                    (tracked_times if variant == "tracker" else plain_times).append(t)
+                t = _step(model, optimizer, stream, args, tracker if tracked else None, cpu_times=cpu_t,
+                          norms_only=variant == "norms_only", tracker_clip=variant == "tracker_clip")
+                if r > 0:  # round 0 warms every path up
+                    times[variant].append(t)
                     cpu[variant] += cpu_t
-            if variant == "tracker":
+            if tracked:
                 tracker.remove_hooks()
+    per = args.steps_per_round
+    paired = [statistics.fmean(times["tracker"][i:i + per]) / statistics.fmean(times["plain"][i:i + per])
+              for i in range(0, len(times["plain"]), per)]
+    q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
+    plain_times, tracked_times = times["plain"], times["tracker"]
     med_plain = statistics.median(plain_times)
     med_tracked = statistics.median(tracked_times)
     ratio = med_tracked / med_plain
     print(f"step time: without {med_plain * 1e3:.1f} ms, with tracker {med_tracked * 1e3:.1f} ms "
-          f"(median of {len(plain_times)} each), ratio {ratio:.4f}")
+          f"(median of {len(plain_times)} each), ratio {ratio:.4f}; per-round paired ratios: median {q[1]:.4f}, "
+          f"quartiles {q[0]:.4f}-{q[2]:.4f} (the machine's noise)")
+    ratios = {v: statistics.median(times[v]) / med_plain for v in variants}
+    floor = ratios["norms_only"]
+    print(f"norms only (K+1 fused norm passes, no tracker): ratio {floor:.4f}; the tracker beyond that floor: "
+          f"{ratio / floor:.4f}")
+    if args.tracker_clip:
+        print(f"with tracker.clip_grad_norm_ (the step's norm reused, one pass fewer): ratio {ratios['tracker_clip']:.4f}")
     cpu_ratio = statistics.median(cpu["tracker"]) / statistics.median(cpu["plain"])
     print(f"process CPU time per step: ratio {cpu_ratio:.4f} (medians)")
 
@@ -238,10 +289,16 @@ def main() -> int:
     print(f"peak memory: without {peaks['plain'] / 2**20:.0f} MiB, with tracker {peaks['tracker'] / 2**20:.0f} MiB, "
           f"ratio {mem_ratio:.4f}; difference {extra / 2**20:+.1f} MiB vs one gradient copy {grad_bytes / 2**20:.1f} MiB")
     if args.json:
-        print(json.dumps({"step_time_ratio": round(ratio, 4), "cpu_time_ratio": round(cpu_ratio, 4), "peak_memory_ratio": round(mem_ratio, 4),
+        extra_ratios = {"norms_only_ratio": round(floor, 4), "beyond_norms_ratio": round(ratio / floor, 4)}
+        if args.tracker_clip:
+            extra_ratios["tracker_clip_ratio"] = round(ratios["tracker_clip"], 4)
+        print(json.dumps({"step_time_ratio": round(ratio, 4), "paired_ratio_median": round(q[1], 4),
+                          "paired_ratio_quartiles": [round(q[0], 4), round(q[2], 4)], **extra_ratios,
+                          "cpu_time_ratio": round(cpu_ratio, 4), "peak_memory_ratio": round(mem_ratio, 4),
                           "extra_memory_mib": round(extra / 2**20, 3), "gradient_copy_mib": round(grad_bytes / 2**20, 3),
                           "ops_added_per_microbatch": ops["ops_added_per_microbatch"],
-                          "ops_added_per_step": ops["ops_added_per_step_total"]}))
+                          "ops_added_per_step": ops["ops_added_per_step_total"],
+                          "ops_added_per_step_device_path": ops.get("ops_added_per_step_device_path")}))
     return 0
 
 

@@ -34,6 +34,7 @@ D_IN = 6
 HIDDEN = 8
 LR = 0.05
 START_ACCUMULATION = 2  # per DP rank
+ONE_MICROBATCH_CLIP = 2.0  # ddp_one_microbatch clips through the tracker (its step norms run 1.3-6.2)
 
 
 # ---------------------------------------------------------------------------- the problem
@@ -91,6 +92,8 @@ def train(
     available: Any = None,
     manual_sync_group: Any = None,
     log: CollectiveLog | None = None,
+    clip: float | None = None,
+    clip_norms: list[float] | None = None,
 ) -> list[dict[str, Any]]:
     """The loop shared by the distributed ranks and the single-process reference.
 
@@ -99,6 +102,8 @@ def train(
     ``available(step, dp_rank, index)`` says whether that microbatch exists (data
     that runs out). ``manual_sync_group``: an unwrapped replicated model whose loop
     averages the gradients itself. ``log``: counts communication, one entry per step.
+    ``clip``: clip the step's gradient to this norm, through ``tracker.clip_grad_norm_`` on
+    the ranks and ``torch.nn.utils.clip_grad_norm_`` in the reference (norms into ``clip_norms``).
     """
     records = []
     for step in range(steps):
@@ -124,6 +129,13 @@ def train(
                 dist.all_reduce(p.grad, group=manual_sync_group)
                 p.grad /= size
         rec = tracker.step()
+        if clip is not None:
+            if dp_rank is None:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            else:
+                norm = tracker.clip_grad_norm_(clip)
+            assert clip_norms is not None
+            clip_norms.append(float(norm))
         if not rec.dropped:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -135,7 +147,7 @@ def train(
 
 def reference_run(
     *, steps: int, dp_size: int, nan_at: tuple[int, int] | None = None, available: Any = None,
-    start_accumulation: int = START_ACCUMULATION,
+    start_accumulation: int = START_ACCUMULATION, clip: float | None = None,
 ) -> dict[str, Any]:
     """One process, no ``torch.distributed``: the microbatches of all DP ranks in one window."""
     model = make_model()
@@ -144,10 +156,13 @@ def reference_run(
         model, opt, accumulation_steps=start_accumulation * dp_size, unit="samples",
         estimator=make_estimator(), controller=make_controller(),
     )
+    clip_norms: list[float] = []
     records = train(
-        model, tracker, opt, steps=steps, dp_rank=None, dp_size=dp_size, nan_at=nan_at, available=available
+        model, tracker, opt, steps=steps, dp_rank=None, dp_size=dp_size, nan_at=nan_at, available=available,
+        clip=clip, clip_norms=clip_norms,
     )
-    return {"records": records, "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+    return {"records": records, "params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
+            "clip_norms": clip_norms}
 
 
 def bf16_reference(*, steps: int, dp_size: int) -> list[dict[str, float]]:
@@ -291,10 +306,12 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         tracker = CBSTracker(model, opt, accumulation_steps=acc, **common)
         nan_at = (3, 1) if name == "ddp_nonfinite" else None
+        clip = ONE_MICROBATCH_CLIP if name == "ddp_one_microbatch" else None
+        payload["clip_norms"] = []
         log.install()
         try:
             payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world, nan_at=nan_at,
-                                       log=log)
+                                       log=log, clip=clip, clip_norms=payload["clip_norms"])
         finally:
             log.uninstall()
         payload["params"] = _full_params(model.module)

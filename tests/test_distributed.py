@@ -106,7 +106,14 @@ def assert_same_run(
 @pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "fsdp_last", "fsdp_every"])
 def test_two_ranks_match_single_process(two_ranks, name):
     # ddp_one_microbatch starts at one microbatch per rank: every backward of its first window syncs
-    ref = dw.reference_run(steps=STEPS, dp_size=2, start_accumulation=1 if name == "ddp_one_microbatch" else 2)
+    one = name == "ddp_one_microbatch"  # also clips with tracker.clip_grad_norm_ (the reference: torch's)
+    ref = dw.reference_run(steps=STEPS, dp_size=2, start_accumulation=1 if one else 2,
+                           clip=dw.ONE_MICROBATCH_CLIP if one else None)
+    if one:
+        norms = ref["clip_norms"]
+        assert min(norms) < dw.ONE_MICROBATCH_CLIP < max(norms)  # it clipped some steps, not all
+        for rank in two_ranks[name]:
+            torch.testing.assert_close(torch.tensor(rank["clip_norms"]), torch.tensor(norms), rtol=RTOL, atol=0.0)
     # the run is not trivial: the controller grows the batch (from 2 per rank), and every step is measured
     if name != "ddp_one_microbatch":
         assert any(r["next_accumulation_steps"] != r["accumulation_steps"] for r in ref["records"])

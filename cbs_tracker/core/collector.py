@@ -51,6 +51,9 @@ class StepStats:
         small_batch: harmonic mean of the microbatch sizes (``B_small``), in the unit.
         units: plain sum of the microbatch sizes (the step's global batch), in the unit.
         finite: every rank's gradients were finite.
+        synced_sq_norm: ``|.grad|^2`` of the synced (and unscaled) step gradient as it
+            stands, loss factors still in, over the whole model (shards summed); what
+            ``clip_grad_norm_`` would compute. ``nan`` when it was not measured.
     """
 
     small_sq_norm: float
@@ -59,6 +62,7 @@ class StepStats:
     small_batch: float
     units: float
     finite: bool
+    synced_sq_norm: float = math.nan
 
     @property
     def big_batch(self) -> float:

@@ -8,6 +8,8 @@ microbatch. A pending accumulation takes effect at the next window's start.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -135,6 +137,7 @@ class LoopTracker:
         self._window_index = 0
         self._window_divisor = self.session.accumulation_steps
         self._in_microbatch = False
+        self._step_norm: float | None = None  # the synced gradient's norm, while .grad is as step() saw it
 
     # ------------------------------------------------------------------ adapter points
     def _unwrap(self, model: nn.Module) -> nn.Module:
@@ -303,6 +306,7 @@ class LoopTracker:
             n = check_size(size, owner=f"{name}.microbatch")
         if self._window_index == 0:
             self._begin_window()
+        self._step_norm = None
         last = self._window_index >= self.session.accumulation_steps - 1
         self._in_microbatch = True
         self.collector.begin_microbatch(unsynced=self._unsynced(last))
@@ -378,9 +382,49 @@ class LoopTracker:
         self._window_index = 0
         if faults.microbatches_run == 0:
             raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
+        reusable = self._transform is None and not self.big_norm_is_sharded and math.isfinite(stats.synced_sq_norm)
+        self._step_norm = math.sqrt(max(stats.synced_sq_norm, 0.0)) if reusable else None
         return self.session.finish_step(
             stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()
         )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the tracked parameters, reusing the norm :meth:`step` took.
+
+        Call it right after :meth:`step`, where a loop clips. The synced gradient's total
+        2-norm is the one the step already measured (over the whole DP group), so clipping
+        costs one pass over the gradients (the scaling, only when it clips) instead of
+        two. Where that norm cannot be reused (a preconditioner is set, FSDP2 shards,
+        the step was not finite, another ``norm_type``, or no :meth:`step` since the last
+        microbatch) this calls ``torch.nn.utils.clip_grad_norm_`` itself.
+
+        Args:
+            max_norm: the largest total norm allowed (a positive finite number).
+            norm_type, error_if_nonfinite: as in ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns:
+            The total norm before clipping, a 0-d float32 tensor (on the gradients' device).
+
+        Raises:
+            ValueError: ``max_norm`` not a positive finite number.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (0 < max_norm < math.inf):
+            raise ValueError(
+                f"{type(self).__name__}.clip_grad_norm_(max_norm={max_norm!r}): expected a positive finite number"
+            )
+        params = self._big_params()
+        total = self._step_norm
+        if total is None or float(norm_type) != 2.0:
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+            )
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        coef = float(max_norm) / (total + 1e-6)  # torch's clip coefficient, clamped at 1
+        if coef < 1.0 and grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, coef)
+        return torch.tensor(total, dtype=torch.float32, device=device)
 
     def _loss_scale(self) -> torch.Tensor | None:
         if self.grad_scaler is None or not getattr(self.grad_scaler, "is_enabled", lambda: True)():

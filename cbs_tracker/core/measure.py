@@ -190,6 +190,7 @@ def _step_stats(values: list[float], *, avg_ranks: int, loss_divisor: float) -> 
         small_batch=(k / inv_sum) if inv_sum > 0 else 0.0,
         units=units,
         finite=nonfinite == 0 and unmeas == 0 and math.isfinite(big_sq),
+        synced_sq_norm=big_total if nonfinite == 0 else math.nan,
     )
     return stats, WindowFaults(
         mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran))
