@@ -172,6 +172,95 @@ def count_ops(model, optimizer, stream, args, tracker, *, device_path: bool = Fa
             "plain_ops_per_step": sum(counted["plain"]["micro"].values()) + sum(counted["plain"]["step"].values())}
 
 
+def attribute(model, optimizer, stream, args, tracker) -> dict:
+    """The tracker's own time per step, timed directly inside the loop, and the norm passes' floor.
+
+    A step-time ratio is the difference of two noisy numbers; here each piece of
+    tracker work is timed where it runs: ``microbatch()`` entry and exit (the first
+    microbatch's norm from ``.grad`` included), the hooks' filing and bucket norms
+    during backward, and ``step()``. Plain steps alternate with tracked ones; in the
+    plain steps the ``K + 1`` fused norm passes of the floor are timed the same way.
+    Returns medians in seconds and their fractions of the median plain step.
+    """
+    inside = [0.0]
+    originals = {name: getattr(GradStatsCollector, name) for name in ("_file", "_backward_end")}
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t
+        return wrapper
+
+    plain, norms, own = [], [], []
+    for name, fn in originals.items():
+        setattr(GradStatsCollector, name, timed(fn))
+    try:
+        for i in range(2 * args.attribution_steps + 2):
+            tracked = i % 2 == 1
+            if tracked:
+                tracker._register_hooks()
+            batches = [stream.next_batch(args.micro_sequences) for _ in range(args.accumulation)]
+            batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
+            _sync(args)
+            t0 = time.perf_counter()
+            outside = floor = 0.0
+            inside[0] = 0.0
+            for x, y in batches:
+                if tracked:
+                    a = time.perf_counter()
+                    ctx = tracker.microbatch(labels=y)
+                    ctx.__enter__()
+                    outside += time.perf_counter() - a
+                _, loss = model(x, y)
+                (loss / args.accumulation).backward()
+                a = time.perf_counter()
+                if tracked:
+                    ctx.__exit__(None, None, None)
+                    _sync(args)
+                    outside += time.perf_counter() - a
+                else:
+                    _norm_pass(model.parameters())
+                    _sync(args)
+                    floor += time.perf_counter() - a
+            a = time.perf_counter()
+            if tracked:
+                tracker.step()
+                _sync(args)
+                outside += time.perf_counter() - a
+            else:
+                _norm_pass(model.parameters())
+                _sync(args)
+                floor += time.perf_counter() - a
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(args)
+            total = time.perf_counter() - t0
+            if tracked:
+                tracker.remove_hooks()
+            if i < 2:  # one untimed step of each first
+                continue
+            if tracked:
+                own.append(outside + inside[0])
+            else:
+                plain.append(total - floor)
+                norms.append(floor)
+    finally:
+        for name, fn in originals.items():
+            setattr(GradStatsCollector, name, fn)
+    step = statistics.median(plain)
+    return {"plain_step_s": step, "tracker_s": statistics.median(own), "norm_passes_s": statistics.median(norms),
+            "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step}
+
+
+def _sync(args) -> None:
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def _memory_child(args) -> int:
     """Run a few steps in this fresh process and print the peak memory in bytes."""
     model, optimizer, stream = _setup(args)
@@ -202,6 +291,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print a JSON object as the last line")
     p.add_argument("--count-ops-only", action="store_true", help="only count the operators the tracker adds")
+    p.add_argument("--attribution-steps", type=int, default=60,
+                   help="tracked and plain steps (each) for the direct timing of the tracker's own work")
     p.add_argument("--tracker-clip", action="store_true",
                    help="also time the loop clipping with tracker.clip_grad_norm_ (reuses the step's norm)")
     p.add_argument("--child", choices=["plain", "tracker"], help=argparse.SUPPRESS)
@@ -277,6 +368,10 @@ def main() -> int:
         print(f"with tracker.clip_grad_norm_ (the step's norm reused, one pass fewer): ratio {ratios['tracker_clip']:.4f}")
     cpu_ratio = statistics.median(cpu["tracker"]) / statistics.median(cpu["plain"])
     print(f"process CPU time per step: ratio {cpu_ratio:.4f} (medians)")
+    att = attribute(model, optimizer, stream, args, tracker)
+    print(f"timed directly ({args.attribution_steps} steps each): the tracker's own work {att['tracker_s'] * 1e6:.0f} us "
+          f"per step = {att['tracker_fraction']:.2%} of the {att['plain_step_s'] * 1e3:.1f} ms plain step; "
+          f"the K+1 norm passes alone {att['norm_passes_s'] * 1e6:.0f} us = {att['norm_passes_fraction']:.2%} (medians)")
 
     peaks = {}
     for variant in ("plain", "tracker"):
@@ -289,7 +384,9 @@ def main() -> int:
     print(f"peak memory: without {peaks['plain'] / 2**20:.0f} MiB, with tracker {peaks['tracker'] / 2**20:.0f} MiB, "
           f"ratio {mem_ratio:.4f}; difference {extra / 2**20:+.1f} MiB vs one gradient copy {grad_bytes / 2**20:.1f} MiB")
     if args.json:
-        extra_ratios = {"norms_only_ratio": round(floor, 4), "beyond_norms_ratio": round(ratio / floor, 4)}
+        extra_ratios = {"norms_only_ratio": round(floor, 4), "beyond_norms_ratio": round(ratio / floor, 4),
+                        "tracker_fraction_timed": round(att["tracker_fraction"], 4),
+                        "norm_passes_fraction_timed": round(att["norm_passes_fraction"], 4)}
         if args.tracker_clip:
             extra_ratios["tracker_clip_ratio"] = round(ratios["tracker_clip"], 4)
         print(json.dumps({"step_time_ratio": round(ratio, 4), "paired_ratio_median": round(q[1], 4),

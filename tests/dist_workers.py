@@ -295,7 +295,7 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
     common = {"unit": "samples", "estimator": make_estimator(), "controller": make_controller()}
     acc = START_ACCUMULATION
     payload: dict[str, Any] = {}
-    if name in ("ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_one_microbatch"):
+    if name in ("ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_one_microbatch", "ddp_device_path"):
         kw = {"gradient_as_bucket_view": True, "static_graph": True} if name == "ddp_static_bucket_view" else {}
         if name == "ddp_one_microbatch":
             acc = 1  # the first microbatch is also the last: its backward syncs, .grad is not local
@@ -374,6 +374,16 @@ def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, names: li
                 mesh_scenario(name, rank, world, out_dir, steps)
             elif name == "errors_2":
                 error_scenario(rank, out_dir)
+            elif name == "ddp_device_path":
+                # what an accelerator runs: the window's sums stay tensors until the one all_reduce
+                from cbs_tracker.core.collector import GradStatsCollector
+
+                host = GradStatsCollector.host_window_sums
+                GradStatsCollector.host_window_sums = lambda self: None  # type: ignore[method-assign]
+                try:
+                    scenario(name, rank, world, out_dir, steps)
+                finally:
+                    GradStatsCollector.host_window_sums = host  # type: ignore[method-assign]
             else:
                 scenario(name, rank, world, out_dir, steps)
             dist.barrier()

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(
 STEPS = 10
 RTOL = 1e-9  # see the module docstring
 TWO_RANK = [
-    "ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "fsdp_last", "fsdp_every", "ddp_nonfinite", "fsdp_nonfinite",
+    "ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "ddp_device_path", "fsdp_last", "fsdp_every", "ddp_nonfinite", "fsdp_nonfinite",
     "fsdp_bf16", "manual_ranout", "errors_2",
 ]
 FOUR_RANK = ["mesh_ddp_dp_tp", "mesh_fsdp_dp_tp", "mesh_hsdp", "errors_4"]
@@ -103,7 +103,9 @@ def assert_same_run(
 
 
 # ---------------------------------------------------------------------------- 2 ranks
-@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "fsdp_last", "fsdp_every"])
+@pytest.mark.parametrize(
+    "name", ["ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "ddp_device_path", "fsdp_last", "fsdp_every"]
+)
 def test_two_ranks_match_single_process(two_ranks, name):
     # ddp_one_microbatch starts at one microbatch per rank: every backward of its first window syncs
     one = name == "ddp_one_microbatch"  # also clips with tracker.clip_grad_norm_ (the reference: torch's)
@@ -132,7 +134,7 @@ def _readme_tracker_collective_bytes() -> int:
     return int(m.group(1))
 
 
-@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_nonfinite"])
+@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_device_path"])
 def test_ddp_syncs_each_bucket_once_per_step_and_the_tracker_adds_one_all_reduce(two_ranks, name):
     """A comm hook sees every gradient sync; the wrapped ``torch.distributed`` sees the rest.
 

@@ -308,3 +308,32 @@ def test_state_dict_refuses_another_dp_degree():
     del state["estimator"]
     with pytest.raises(KeyError, match=r"missing keys \['estimator'\]"):
         tracker.load_state_dict(state)
+
+
+def test_host_and_device_reductions_give_the_same_estimates(monkeypatch):
+    """On a CPU the window is reduced as host floats; an accelerator keeps tensors: same numbers."""
+    from cbs_tracker.core.collector import GradStatsCollector
+
+    def runs():
+        plain = _invariance_run()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        model, w_star, sigma, _, _ = _regression(seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        amp = _run_frozen(model, w_star, sigma, accumulation=4, micro=8, steps=40, seed=5, scaler=scaler,
+                          grad_scaler=scaler, optimizer=opt)
+        with amp.microbatch(size=8):  # a non-finite window: dropped on both paths
+            (model(torch.full((8, 8), float("inf"))).sum() * scaler.get_scale()).backward()
+        dropped = amp.step().dropped
+        return [(t.noise_scale, t.grad_sq_norm, t.trace_cov, t.tokens_seen) for t in (plain, amp)], dropped
+
+    calls = []
+    real = GradStatsCollector.host_window_sums
+    monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: calls.append(1) or real(self))
+    host, host_dropped = runs()
+    assert len(calls) > 80  # the host path really ran
+    monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
+    device, device_dropped = runs()
+    assert host_dropped and device_dropped
+    assert None not in [v for row in host for v in row]
+    for h, d in zip(host, device, strict=True):
+        assert h == pytest.approx(d, rel=1e-12)
