@@ -464,7 +464,7 @@ class GradStatsCollector:
                  for v in self._micro_size],
                 device,
             )
-        ok = torch.isfinite(size) & (size >= 0)
+        ok = (size >= 0) & (size < math.inf)  # finite and >= 0: nan fails both comparisons
         valid = ok & (size > 0)
         cols = torch.stack([sq, torch.ones_like(size), size.reciprocal(), size], dim=1)
         sums = torch.where(valid.unsqueeze(1), cols, 0.0).sum(0)

@@ -110,35 +110,25 @@ def reduce_window(
                 scale=scale, transform=transform, big_norm_is_sharded=big_norm_is_sharded,
                 expected_microbatches=expected_microbatches,
             )
-    sums = collector.window_sums(device)
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    invalid = sums[4] if sums.numel() > 4 else zero
-    small_sum = sums[0]
+    # On an accelerator every operator below is a launch: the vector is built in about a dozen.
+    sums = collector.window_sums(device)  # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid]
+    small = sums[:1] * (float(loss_divisor) ** 2)
     if scale is not None:
-        small_sum = small_sum / scale.to(device).double().square()
-    small_sum = small_sum * float(loss_divisor) ** 2
+        small = small / scale.to(device=device, dtype=torch.float64).square()
     unmeasurable = collector.window_unmeasurable or (big is None and transform is not None)
-    big_val = zero if big is None else big.to(device).double()
     contributes = big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0
-    if not contributes:
-        big_val = torch.zeros_like(big_val)
-    finite = torch.isfinite(small_sum) & torch.isfinite(big_val)
+    if big is None or not contributes:
+        big_val = torch.zeros(1, dtype=torch.float64, device=device)
+    else:
+        big_val = big.reshape(1).to(device=device, dtype=torch.float64)
+    pair = torch.cat([small, big_val])
+    nonfinite = (pair - pair).ne(0).any(0, keepdim=True)  # x - x is nan exactly for inf and nan
+    pair = pair.masked_fill(nonfinite, 0.0)
     local_k = collector.num_microbatches
     mismatch = expected_microbatches is not None and local_k not in (0, expected_microbatches)
-    vec = torch.stack(
-        [
-            torch.where(finite, small_sum, zero),
-            sums[1],
-            sums[2],
-            sums[3],
-            torch.where(finite, big_val, zero),
-            (~finite).double(),
-            torch.tensor(float(unmeasurable), dtype=torch.float64, device=device),
-            torch.tensor(float(mismatch), dtype=torch.float64, device=device),
-            invalid.to(device).double(),
-            torch.tensor(float(local_k), dtype=torch.float64, device=device),
-        ]
-    )
+    flags = torch.tensor([float(unmeasurable), float(mismatch), float(local_k)], dtype=torch.float64, device=device)
+    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran]
+    vec = torch.cat([pair[:1], sums[1:4], pair[1:], nonfinite.to(torch.float64), flags[:2], sums[4:5], flags[2:]])
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
     return _step_stats(vec.tolist(), avg_ranks=avg_ranks, loss_divisor=loss_divisor)  # one host sync
 
