@@ -1,0 +1,57 @@
+"""The README's operator counts against ``benchmarks/overhead.py``'s counter, rerun here.
+
+The counts are deterministic (a ``TorchDispatchMode`` sees every aten call of one
+tracked and one untracked step), so they are compared exactly: a change of the
+collector or the reduction that adds or removes operators fails here until the
+README says so. They do not depend on the tokens per microbatch, so the 10.8M
+model is counted with one sequence per microbatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _overhead_module():
+    spec = importlib.util.spec_from_file_location("cbs_overhead_benchmark", ROOT / "benchmarks" / "overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _readme_counts(label: str) -> tuple[float, int, int]:
+    m = re.search(
+        re.escape(label) + r"[^*]*\*\*([\d.]+) per microbatch\*\*[^*]*\*\*(\d+) per optimizer step\*\* on a CPU[^*]*"
+        r"\*\*(\d+)\*\* on an accelerator",
+        README,
+    )
+    assert m, f"the README's operator counts for {label!r} moved"
+    return float(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+@pytest.mark.parametrize(
+    "label, preset, seq_len, micro",
+    [("demo model (0.45M, 28 tensors)", "demo", 128, 2), ("10.8M GPT (76 tensors)", "10m", 256, 1)],
+)
+def test_readme_operator_counts_are_what_the_counter_sees(label, preset, seq_len, micro):
+    bench = _overhead_module()
+    args = argparse.Namespace(preset=preset, seq_len=seq_len, micro_sequences=micro, accumulation=2, device="cpu")
+    model, optimizer, stream = bench._setup(args)
+    tracker = bench._make_tracker(model, optimizer, args)
+    tracker.remove_hooks()
+    host = bench.count_ops(model, optimizer, stream, args, tracker)
+    device = bench.count_ops(model, optimizer, stream, args, tracker, device_path=True)
+    per_micro, per_step, per_step_device = _readme_counts(label)
+    assert host["ops_added_per_microbatch"] == per_micro
+    assert host["ops_added_per_step_total"] == per_step
+    assert device["ops_added_per_step_total"] == per_step_device
+    # per bucket, not per parameter tensor: far fewer norms than tensors, in every microbatch
+    assert host["micro_ops"]["_foreach_norm"] < len(list(model.parameters()))
