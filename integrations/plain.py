@@ -77,6 +77,6 @@ class CBSTracker(LoopTracker):
 
     def _unsynced(self, last: bool) -> bool:
         if not self._ddp:
-            return True
+            return super()._unsynced(last)
         sync_anyway = self._needs_synced_first_step and self.session.step == 0
         return not last and not sync_anyway

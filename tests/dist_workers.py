@@ -34,6 +34,7 @@ D_IN = 6
 HIDDEN = 8
 LR = 0.05
 START_ACCUMULATION = 2  # per DP rank
+HSDP_CLIP = 1.2  # mesh_hsdp clips through the tracker (its step norms run 0.3-1.6)
 ONE_MICROBATCH_CLIP = 2.0  # ddp_one_microbatch clips through the tracker (its step norms run 1.3-6.2)
 
 
@@ -342,6 +343,8 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         tracker = CBSTracker(model, opt, accumulation_steps=acc, grads_averaged_over_ranks=True, **common)
+        # several ranks without DDP: a sync inside the backward cannot be ruled out, so .grad is never read
+        payload["reads_first_from_grad"] = tracker._unsynced(last=False)
         payload["records"] = train(
             model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world,
             available=ranout_available, manual_sync_group=dist.group.WORLD,
@@ -423,7 +426,9 @@ def mesh_scenario(name: str, rank: int, world: int, out_dir: str, steps: int) ->
             model, opt, accumulation_steps=acc, device_mesh=mesh, mesh_dim=("dp_replicate", "dp_shard"), **common
         )
         dp_rank = dist.get_rank(tracker.dp_group)
-        payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=dp_rank, dp_size=4)
+        payload["clip_norms"] = []  # clipped through the tracker: every replica must clip alike
+        payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=dp_rank, dp_size=4, clip=HSDP_CLIP,
+                                   clip_norms=payload["clip_norms"])
         payload["params"] = _full_params(model)
         payload["reports_big_norm"] = bool(tracker._big_params())
     elif name == "errors_4":

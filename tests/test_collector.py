@@ -111,7 +111,9 @@ def test_autograd_still_steals_the_gradient_into_grad():
     assert all(p.grad.data_ptr() == incoming[id(p)] for p in model.parameters())
 
 
-def test_held_gradient_changed_through_grad_is_detected_and_not_measured():
+@pytest.mark.parametrize("unsynced", [False, True], ids=["hooks", "first-from-grad-requested"])
+def test_held_gradient_changed_through_grad_is_detected_and_not_measured(unsynced):
+    """A post-accumulate-grad hook changes .grad: the hooks' check sees it (``.grad`` is then not read)."""
     model = _gpt()
     collector = GradStatsCollector(model.parameters(), bucket_bytes=10 * _grad_bytes(model))
     # e.g. an optimizer step in backward that scales .grad in place right after accumulation
@@ -121,7 +123,7 @@ def test_held_gradient_changed_through_grad_is_detected_and_not_measured():
     handle = model.lm_head.weight.register_post_accumulate_grad_hook(scale_grad)
     micro = _micro(3, [(2, 8), (2, 8)])
     with pytest.warns(RuntimeWarning, match="modified in place"):
-        _run(model, collector, micro[:1])
+        _run(model, collector, micro[:1], unsynced=unsynced)
     assert collector.window_unmeasurable
     collector.reset_window()
     handle.remove()
@@ -414,3 +416,21 @@ def test_reentrant_checkpoint_firing_a_hook_per_segment_matches_per_parameter_no
         ref.end()
         assert collector.hooks_fired_in_last_microbatch == 3  # w once per segment, other once
     assert [float(t) for t in collector.microbatch_sq_norms()] == pytest.approx(ref.sq, rel=1e-6)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_loss_scale_decayed_to_zero_drops_the_step_on_both_paths(path, monkeypatch):
+    from cbs_tracker.core.measure import reduce_window
+
+    if path == "device":
+        monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
+    collector = GradStatsCollector([])
+    for sq in (3.0, 5.0):
+        collector.begin_microbatch()
+        collector.end_microbatch(4.0)
+        collector._micro_sq[-1] = torch.tensor(sq)
+    stats, faults = reduce_window(collector, [], dp_group=None, loss_divisor=2.0, avg_ranks=1,
+                                  scale=torch.tensor(0.0))
+    assert not stats.finite and faults.microbatches_run == 2
+    stats, _ = reduce_window(collector, [], dp_group=None, loss_divisor=2.0, avg_ranks=1, scale=torch.tensor(4.0))
+    assert stats.finite and stats.small_sq_norm == pytest.approx((3.0 + 5.0) / 2 * 2.0**2 / 4.0**2, rel=1e-12)

@@ -179,6 +179,7 @@ def test_nonfinite_rank_drops_the_step_on_every_rank(two_ranks, name):
 
 def test_rank_whose_data_ran_out_takes_part(two_ranks):
     ranks = two_ranks["manual_ranout"]
+    assert [r["reads_first_from_grad"] for r in ranks] == [False, False]  # several ranks, no DDP: hooks only
     ref = dw.reference_run(steps=STEPS, dp_size=2, available=dw.ranout_available)
     assert_same_run(ranks, ref, 2, ragged_from=5)
     # step 5: rank 1 ran one of two microbatches; from step 6 on only rank 0 has data
@@ -239,7 +240,10 @@ def test_dp_x_tp_mesh_counts_only_dp_ranks(four_ranks, name):
 def test_hsdp_counts_each_shard_once(four_ranks):
     ranks = four_ranks["mesh_hsdp"]
     assert sorted(r["reports_big_norm"] for r in ranks) == [False, False, True, True]
-    ref = dw.reference_run(steps=STEPS, dp_size=4)
+    ref = dw.reference_run(steps=STEPS, dp_size=4, clip=dw.HSDP_CLIP)
+    assert min(ref["clip_norms"]) < dw.HSDP_CLIP < max(ref["clip_norms"])  # some steps clip, some do not
+    for rank in ranks:  # tracker.clip_grad_norm_ on every rank, the replicas that report no norm included
+        torch.testing.assert_close(torch.tensor(rank["clip_norms"]), torch.tensor(ref["clip_norms"]), rtol=RTOL, atol=0.0)
     assert_same_run(ranks, ref, 4)
 
 

@@ -388,13 +388,18 @@ class GradStatsCollector:
                 this microbatch's backward (one process; DDP under ``no_sync``), so
                 each hooked parameter's ``.grad`` ends up as that microbatch's local
                 gradient wherever it starts empty. If every hooked ``.grad`` is
-                ``None`` now, the hooks only count and the norms are taken from
+                ``None`` now (and none has a post-accumulate-grad hook that could
+                change it), the hooks only count and the norms are taken from
                 ``.grad`` at :meth:`end_microbatch` (one fused norm per device and
                 dtype, nothing held); otherwise the hooks measure as usual.
         """
         if self._recording:
             raise RuntimeError("GradStatsCollector.begin_microbatch: the previous microbatch was not ended")
-        self._from_grad = unsynced and not self._eager and all(p.grad is None for p in self._hooked_params)
+        # a post-accumulate-grad hook may change .grad before it is read (per-parameter clipping,
+        # an optimizer step in backward): those parameters keep the hooks' own checks
+        self._from_grad = unsynced and not self._eager and all(
+            p.grad is None and not getattr(p, "_post_accumulate_grad_hooks", None) for p in self._hooked_params
+        )
         self._recording = True
         self._norms = {}
         self._skipped = False

@@ -190,8 +190,13 @@ class LoopTracker:
         return False
 
     def _unsynced(self, last: bool) -> bool:
-        """No gradient sync or reshard runs inside this microbatch's backward (``.grad`` stays local)."""
-        return True
+        """No gradient sync or reshard runs inside this microbatch's backward (``.grad`` stays local).
+
+        Only a single process can be sure: with several ranks a sync may run inside the
+        backward (composable ``replicate()``, a hook that all-reduces) without this adapter
+        knowing it.
+        """
+        return self.session.dp_degree == 1
 
     # ------------------------------------------------------------------ public state
     @property
@@ -394,37 +399,45 @@ class LoopTracker:
         Call it right after :meth:`step`, where a loop clips. The synced gradient's total
         2-norm is the one the step already measured (over the whole DP group), so clipping
         costs one pass over the gradients (the scaling, only when it clips) instead of
-        two. Where that norm cannot be reused (a preconditioner is set, FSDP2 shards,
-        the step was not finite, another ``norm_type``, or no :meth:`step` since the last
-        microbatch) this calls ``torch.nn.utils.clip_grad_norm_`` itself.
+        two. Where that norm cannot be reused (a preconditioner is set, FSDP2 shards or
+        other ``DTensor`` gradients, the step was not finite, another ``norm_type``, a
+        clip already ran, or no :meth:`step` since the last microbatch) this calls
+        ``torch.nn.utils.clip_grad_norm_`` itself.
 
         Args:
-            max_norm: the largest total norm allowed (a positive finite number).
+            max_norm: the largest total norm allowed (a finite number >= 0).
             norm_type, error_if_nonfinite: as in ``torch.nn.utils.clip_grad_norm_``.
 
         Returns:
-            The total norm before clipping, a 0-d float32 tensor (on the gradients' device).
+            The total norm before clipping, a 0-d tensor in the gradients' dtype and on their device.
 
         Raises:
-            ValueError: ``max_norm`` not a positive finite number.
+            ValueError: ``max_norm`` not a finite number >= 0.
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (0 < max_norm < math.inf):
+        try:
+            limit = float(max_norm)
+        except (TypeError, ValueError, RuntimeError):
+            limit = math.nan
+        if isinstance(max_norm, bool) or not (0.0 <= limit < math.inf):
             raise ValueError(
-                f"{type(self).__name__}.clip_grad_norm_(max_norm={max_norm!r}): expected a positive finite number"
+                f"{type(self).__name__}.clip_grad_norm_(max_norm={max_norm!r}): expected a finite number >= 0"
             )
-        params = self._big_params()
+        params = self._trainable()  # every rank's own parameters (FSDP2: its shards, HSDP replicas included)
+        grads = [p.grad for p in params if p.grad is not None]
         total = self._step_norm
-        if total is None or float(norm_type) != 2.0:
+        self._step_norm = None  # a second clip recomputes the norm of the clipped gradients
+        reusable = total is not None and float(norm_type) == 2.0 and not any(hasattr(g, "to_local") for g in grads)
+        if not reusable:  # DTensor gradients (tensor parallelism): torch reduces their norm over the mesh
             return torch.nn.utils.clip_grad_norm_(
                 params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
             )
-        grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        coef = float(max_norm) / (total + 1e-6)  # torch's clip coefficient, clamped at 1
+        coef = limit / (total + 1e-6)  # torch's clip coefficient, clamped at 1
         if coef < 1.0 and grads:
             with torch.no_grad():
                 torch._foreach_mul_(grads, coef)
-        return torch.tensor(total, dtype=torch.float32, device=device)
+        if not grads:
+            return torch.tensor(total, dtype=torch.float32)
+        return torch.tensor(total, dtype=grads[0].dtype, device=grads[0].device)
 
     def _loss_scale(self) -> torch.Tensor | None:
         if self.grad_scaler is None or not getattr(self.grad_scaler, "is_enabled", lambda: True)():

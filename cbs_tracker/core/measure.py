@@ -149,7 +149,8 @@ def _reduce_on_host(
     """:func:`reduce_window` with every number on the host (CPU training, gloo): same vector, floats."""
     small_sum = sums[0]
     if scale is not None:
-        small_sum = small_sum / float(scale) ** 2
+        s2 = float(scale) ** 2  # a loss scale that decayed to 0 makes the step non-finite, as on a device
+        small_sum = small_sum / s2 if s2 > 0 else math.nan
     small_sum = small_sum * float(loss_divisor) ** 2
     unmeasurable = collector.window_unmeasurable or (big is None and transform is not None)
     big_val = 0.0 if big is None else big.item()
