@@ -195,6 +195,10 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
         return wrapper
 
     plain, norms, own = [], [], []
+
+    def norms_pass():
+        _norm_pass(model.parameters())
+
     for name, fn in originals.items():
         setattr(GradStatsCollector, name, timed(fn))
     try:
@@ -216,24 +220,10 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                     outside += time.perf_counter() - a
                 _, loss = model(x, y)
                 (loss / args.accumulation).backward()
-                a = time.perf_counter()
-                if tracked:
-                    ctx.__exit__(None, None, None)
-                    _sync(args)
-                    outside += time.perf_counter() - a
-                else:
-                    _norm_pass(model.parameters())
-                    _sync(args)
-                    floor += time.perf_counter() - a
-            a = time.perf_counter()
-            if tracked:
-                tracker.step()
-                _sync(args)
-                outside += time.perf_counter() - a
-            else:
-                _norm_pass(model.parameters())
-                _sync(args)
-                floor += time.perf_counter() - a
+                t = _timed(args, (lambda c=ctx: c.__exit__(None, None, None)) if tracked else norms_pass)
+                outside, floor = (outside + t, floor) if tracked else (outside, floor + t)
+            t = _timed(args, tracker.step if tracked else norms_pass)
+            outside, floor = (outside + t, floor) if tracked else (outside, floor + t)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -254,6 +244,14 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
     step = statistics.median(plain)
     return {"plain_step_s": step, "tracker_s": statistics.median(own), "norm_passes_s": statistics.median(norms),
             "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step}
+
+
+def _timed(args, work) -> float:
+    """Seconds ``work()`` takes, the device synchronised after it."""
+    a = time.perf_counter()
+    work()
+    _sync(args)
+    return time.perf_counter() - a
 
 
 def _sync(args) -> None:

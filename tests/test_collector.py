@@ -219,13 +219,7 @@ def test_two_backwards_in_a_microbatch_read_from_grad_measure_their_sum():
 
 
 def test_host_window_sums_equal_the_device_form():
-    collector = GradStatsCollector([])
-    sq = [2.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0]
-    sizes = [4.0, torch.tensor(0), torch.tensor(8.0), float("nan"), -1.0, torch.tensor(float("inf")), 2]
-    for s, b in zip(sq, sizes, strict=True):
-        collector.begin_microbatch()
-        collector.end_microbatch(b)
-        collector._micro_sq[-1] = torch.tensor(s)
+    collector = _window_with_every_kind_of_size()
     host = collector.host_window_sums()
     assert host == pytest.approx(collector.window_sums(torch.device("cpu")).tolist(), rel=1e-15)
     assert host == pytest.approx([28.0, 3, 1 / 4 + 1 / 8 + 1 / 2, 14.0, 3], rel=1e-15)
@@ -320,7 +314,8 @@ def test_no_host_sync_in_hooks_microbatch_end_or_window_sums():
         collector.window_sums(torch.device("cpu"))
 
 
-def test_window_sums_leave_out_empty_microbatches_and_count_invalid_sizes():
+def _window_with_every_kind_of_size() -> GradStatsCollector:
+    """Norms 2, 5, 7, 11, 13, 17, 19 with sizes 4, 0, 8, nan, -1, inf, 2 (numbers and tensors)."""
     collector = GradStatsCollector([])
     sq = [2.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0]
     sizes = [4.0, torch.tensor(0), torch.tensor(8.0), float("nan"), -1.0, torch.tensor(float("inf")), 2]
@@ -328,6 +323,11 @@ def test_window_sums_leave_out_empty_microbatches_and_count_invalid_sizes():
         collector.begin_microbatch()
         collector.end_microbatch(b)
         collector._micro_sq[-1] = torch.tensor(s)  # the norms a backward would have left
+    return collector
+
+
+def test_window_sums_leave_out_empty_microbatches_and_count_invalid_sizes():
+    collector = _window_with_every_kind_of_size()
     out = collector.window_sums(torch.device("cpu"))
     assert out.dtype == torch.float64 and out.shape == (5,)
     valid = [(2.0, 4.0), (7.0, 8.0), (19.0, 2.0)]  # size 0 is left out; nan, -1 and inf are invalid
