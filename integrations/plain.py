@@ -71,9 +71,7 @@ class CBSTracker(LoopTracker):
         return self._ddp
 
     def _sync_context(self, last: bool) -> AbstractContextManager[Any]:
-        if not self._unsynced(last) or not self._ddp:
-            return nullcontext()
-        return self.model.no_sync()
+        return self.model.no_sync() if self._ddp and self._unsynced(last) else nullcontext()
 
     def _unsynced(self, last: bool) -> bool:
         if not self._ddp:

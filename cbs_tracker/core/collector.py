@@ -349,20 +349,13 @@ class GradStatsCollector:
 
     def _reduce_grads(self) -> None:
         """The norms of this microbatch's gradients as they stand in ``.grad`` (empty at its start)."""
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], list[torch.Tensor]]] = {}
-        for p in self._hooked_params:
-            g = p.grad
-            if g is not None:
-                ps, gs = groups.setdefault((g.device, g.dtype), ([], []))
-                ps.append(p)
-                gs.append(g)
-        for ps, gs in groups.values():
-            if self._hook_transform is not None:
-                out = [self._hook_transform(p, g) for p, g in zip(ps, gs, strict=True)]
-                if any(t is None for t in out):
+        for ps, gs in _grads_by_device_dtype(self._hooked_params).values():
+            if self._hook_transform is not None:  # a fused transform is applied by _reduce
+                out = _apply_transform(self._hook_transform, ps, gs)
+                if out is None:
                     self._skipped = True
                     return
-                gs = out  # type: ignore[assignment]
+                gs = out
             self._reduce(ps, gs)
 
     def remove(self) -> None:
@@ -426,14 +419,7 @@ class GradStatsCollector:
             # No hook fired (no backward in this microbatch, or no trainable params).
             sq = torch.zeros((), dtype=torch.float32)
         else:
-            parts = []
-            for norms in groups.values():
-                v = torch.stack(norms)
-                parts.append(torch.dot(v, v))
-            sq = parts[0]
-            for part in parts[1:]:  # several devices or norm dtypes: rare
-                dtype = torch.promote_types(sq.dtype, part.dtype)
-                sq = sq.to(dtype) + part.to(sq.device, dtype)
+            sq = _sq_total(groups.values())
         self._micro_sq.append(sq)
         self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
 
@@ -518,6 +504,24 @@ def local_grad_sq_norm(
     ``transform`` the transformed gradients are measured; a ``None`` from it
     returns ``None`` (unmeasurable step).
     """
+    groups = _grads_by_device_dtype(params)
+    if not groups:
+        return None
+    norms = []
+    with torch.no_grad():
+        for ps, gs in groups.values():
+            out = gs if transform is None else _apply_transform(transform, ps, gs)
+            if out is None:
+                return None
+            # one fused pass per device and dtype; float32 so fp16 gradients cannot overflow
+            norms.append(torch._foreach_norm(out, 2, dtype=_norm_dtype(out[0].dtype)))
+    return _sq_total(norms)
+
+
+def _grads_by_device_dtype(
+    params: Iterable[nn.Parameter],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], list[torch.Tensor]]]:
+    """The parameters with a ``.grad`` and those gradients (a ``DTensor``'s local shard), per device and dtype."""
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], list[torch.Tensor]]] = {}
     for p in params:
         g = p.grad
@@ -528,29 +532,33 @@ def local_grad_sq_norm(
         ps, gs = groups.setdefault((g.device, g.dtype), ([], []))
         ps.append(p)
         gs.append(g)
-    if not groups:
-        return None
+    return groups
+
+
+def _apply_transform(
+    transform: GradTransform, params: list[nn.Parameter], grads: list[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """``transform`` over one device's and dtype's gradients (its fused form if it has one); ``None``
+    if any gradient cannot be transformed yet."""
     fused = getattr(transform, "foreach", None)
+    if fused is not None:
+        return fused(params, grads)
+    out = [transform(p, g) for p, g in zip(params, grads, strict=True)]
+    return None if any(t is None for t in out) else out  # type: ignore[return-value]
+
+
+def _sq_total(norm_groups: Iterable[list[torch.Tensor]]) -> torch.Tensor:
+    """``sum |norm|^2`` over groups of 0-d norms (one stack and one dot per group), promoted across groups."""
     total: torch.Tensor | None = None
-    with torch.no_grad():
-        for ps, gs in groups.values():
-            if fused is not None:
-                out = fused(ps, gs)
-            elif transform is not None:
-                out = [transform(p, g) for p, g in zip(ps, gs, strict=True)]
-                out = None if any(t is None for t in out) else out
-            else:
-                out = gs
-            if out is None:
-                return None
-            # one fused pass per device and dtype; float32 so fp16 gradients cannot overflow
-            v = torch.stack(torch._foreach_norm(out, 2, dtype=_norm_dtype(out[0].dtype)))
-            part = torch.dot(v, v)
-            if total is None:
-                total = part
-            else:
-                dtype = torch.promote_types(total.dtype, part.dtype)
-                total = total.to(dtype) + part.to(total.device, dtype)
+    for norms in norm_groups:
+        v = torch.stack(list(norms))
+        part = torch.dot(v, v)
+        if total is None:
+            total = part
+        else:  # several devices or norm dtypes: rare
+            dtype = torch.promote_types(total.dtype, part.dtype)
+            total = total.to(dtype) + part.to(total.device, dtype)
+    assert total is not None
     return total
 
 

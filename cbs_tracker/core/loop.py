@@ -9,7 +9,6 @@ microbatch. A pending accumulation takes effect at the next window's start.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal

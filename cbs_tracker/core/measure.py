@@ -102,70 +102,65 @@ def reduce_window(
     big = local_grad_sq_norm(big_params, transform)
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)
+    # what this rank knows on the host: [unmeasurable, mismatched, microbatches it ran]
+    local_k = collector.num_microbatches
+    flags = [
+        float(collector.window_unmeasurable or (big is None and transform is not None)),
+        float(expected_microbatches is not None and local_k not in (0, expected_microbatches)),
+        float(local_k),
+    ]
+    if big is not None and not (big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0):
+        big = None  # a replica: one rank reports the big norm
+    factor = float(loss_divisor) ** 2  # h_k = S g_k / a, so |g_k|^2 = |h_k|^2 a^2 / S^2
     if device.type == "cpu" and ref.device.type == "cpu" and (scale is None or scale.device.type == "cpu"):
         host = collector.host_window_sums()
         if host is not None:
-            return _reduce_on_host(
-                collector, host, big, dp_group=dp_group, loss_divisor=loss_divisor, avg_ranks=avg_ranks,
-                scale=scale, transform=transform, big_norm_is_sharded=big_norm_is_sharded,
-                expected_microbatches=expected_microbatches,
-            )
+            return _reduce_on_host(host, big, flags, factor=factor, scale=scale, dp_group=dp_group,
+                                   avg_ranks=avg_ranks, loss_divisor=loss_divisor)
     # On an accelerator every operator below is a launch: the vector is built in about a dozen.
     sums = collector.window_sums(device)  # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid]
-    small = sums[:1] * (float(loss_divisor) ** 2)
+    small = sums[:1] * factor
     if scale is not None:
         small = small / scale.to(device=device, dtype=torch.float64).square()
-    unmeasurable = collector.window_unmeasurable or (big is None and transform is not None)
-    contributes = big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0
-    if big is None or not contributes:
+    if big is None:
         big_val = torch.zeros(1, dtype=torch.float64, device=device)
     else:
         big_val = big.reshape(1).to(device=device, dtype=torch.float64)
     pair = torch.cat([small, big_val])
     nonfinite = (pair - pair).ne(0).any(0, keepdim=True)  # x - x is nan exactly for inf and nan
     pair = pair.masked_fill(nonfinite, 0.0)
-    local_k = collector.num_microbatches
-    mismatch = expected_microbatches is not None and local_k not in (0, expected_microbatches)
-    flags = torch.tensor([float(unmeasurable), float(mismatch), float(local_k)], dtype=torch.float64, device=device)
+    flag_vec = torch.tensor(flags, dtype=torch.float64, device=device)
     # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran]
-    vec = torch.cat([pair[:1], sums[1:4], pair[1:], nonfinite.to(torch.float64), flags[:2], sums[4:5], flags[2:]])
+    vec = torch.cat([pair[:1], sums[1:4], pair[1:], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:]])
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
     return _step_stats(vec.tolist(), avg_ranks=avg_ranks, loss_divisor=loss_divisor)  # one host sync
 
 
 def _reduce_on_host(
-    collector: GradStatsCollector,
     sums: list[float],
     big: torch.Tensor | None,
+    flags: list[float],
     *,
-    dp_group: Any | None,
-    loss_divisor: float,
-    avg_ranks: int,
+    factor: float,
     scale: torch.Tensor | None,
-    transform: GradTransform | None,
-    big_norm_is_sharded: bool,
-    expected_microbatches: int | None,
+    dp_group: Any | None,
+    avg_ranks: int,
+    loss_divisor: float,
 ) -> tuple[StepStats, WindowFaults]:
-    """:func:`reduce_window` with every number on the host (CPU training, gloo): same vector, floats."""
-    small_sum = sums[0]
+    """:func:`reduce_window`'s vector with every number on the host (CPU training, gloo): floats, not tensors."""
+    small_sum = sums[0] * factor
     if scale is not None:
         s2 = float(scale) ** 2  # a loss scale that decayed to 0 makes the step non-finite, as on a device
         small_sum = small_sum / s2 if s2 > 0 else math.nan
-    small_sum = small_sum * float(loss_divisor) ** 2
-    unmeasurable = collector.window_unmeasurable or (big is None and transform is not None)
     big_val = 0.0 if big is None else big.item()
-    if not (big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0):
-        big_val = 0.0
     finite = math.isfinite(small_sum) and math.isfinite(big_val)
-    local_k = collector.num_microbatches
-    mismatch = expected_microbatches is not None and local_k not in (0, expected_microbatches)
+    unmeasurable, mismatched, ran = flags
     values = [
         small_sum if finite else 0.0, sums[1], sums[2], sums[3], big_val if finite else 0.0,
-        0.0 if finite else 1.0, float(unmeasurable), float(mismatch), sums[4], float(local_k),
+        0.0 if finite else 1.0, unmeasurable, mismatched, sums[4], ran,
     ]
     if cbs_dist.is_distributed() and cbs_dist.group_size(dp_group) > 1:
-        vec = torch.tensor(values, dtype=torch.float64)
-        values = cbs_dist.all_reduce_sum(vec, dp_group).tolist()
+        values = cbs_dist.all_reduce_sum(torch.tensor(values, dtype=torch.float64), dp_group).tolist()
     return _step_stats(values, avg_ranks=avg_ranks, loss_divisor=loss_divisor)
 
 
