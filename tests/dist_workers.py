@@ -15,7 +15,6 @@ Float64 everywhere except the mixed-precision scenario.
 from __future__ import annotations
 
 import json
-import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -488,6 +487,3 @@ def error_scenario(rank: int, out_dir: str) -> None:
     errors["unmanaged"] = _error_of(lambda: FSDPTracker(partial))
     _save(out_dir, "errors_2", rank, {"errors": errors})
 
-
-def nan_safe(x: float | None) -> float:
-    return math.nan if x is None else float(x)

@@ -219,10 +219,7 @@ def lightning_reference(
                 grad_sq_norm=estimator.grad_sq_norm, trace_cov=estimator.trace_cov, noise_scale=estimator.noise_scale
             )
             steps.append(row)
-            i = 0
-            for p in model.parameters():
-                p.grad = synced[i : i + p.numel()].reshape(p.shape).clone()
-                i += p.numel()
+            set_flat_grad(model, synced)
             torch.nn.utils.clip_grad_norm_(clip_params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -6,7 +6,6 @@ the worker by name.
 
 from __future__ import annotations
 
-import json
 import os
 import types
 from typing import Any
@@ -149,5 +148,3 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: dic
     trainer.train()
     rows = [{k: v for k, v in r.items() if k != "record"} | {"record": vars(r["record"])} for r in check.rows]
     torch.save({"rows": rows, "applied": trainer.applied_changes}, os.path.join(out_dir, f"rank{rank}.pt"))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"world": trainer.session.dp_degree}, f)

@@ -1025,7 +1025,17 @@ def test_feedback_trap_threshold(ratio, trap):
     assert ctrl.feedback_trap is trap
     assert any("follows the batch" in str(w.message) for w in caught) is trap
     # x1.5 asks for a second doubling (2304 >= 2252.8): only the trap holds it back
-    assert acc == (2 if trap or ratio < 1.45 else 4)
+    assert acc == 2
+
+
+@pytest.mark.parametrize("ratio,acc_after", [(1.3, 2), (1.5, 4)])
+def test_without_the_guard_a_jump_of_1_5_doubles_again(ratio, acc_after):
+    # the counter-test of the one above: with the guard off, x1.5 reaches the second doubling
+    # (2304 >= 2252.8) and x1.3 does not (1996.8 < 2252.8), so the trap is what held x1.5 back
+    ctrl = BatchSizeController(kappa=1.0, feedback_guard=False)
+    _, (_, _, acc) = simulate(ctrl, _jump_after_the_first_doubling(ratio), 1500)
+    assert not ctrl.feedback_trap
+    assert acc == acc_after
 
 
 @pytest.mark.parametrize("rise,resumes", [(1.45, False), (1.55, True)])

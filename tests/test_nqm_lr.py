@@ -79,12 +79,13 @@ def test_converted_schedules_match_the_original_within_5_percent_with_fewer_step
     assert res.largest_batch == 64.0
 
 
-def test_a_cosine_that_ends_at_10_percent_of_its_peak_is_not_within_the_target():
-    # the LR ends at 0.05 (converted: 0.4): the bound above is (2 - 0.05) / (2 - 0.4) = 1.22;
-    # at this budget the conversion ends 4% above the original (inside the 5% target),
-    # at the reference budget 3e6 it ends outside it (see the module's command)
+def test_a_cosine_that_ends_at_10_percent_of_its_peak_loses_more_than_the_schedules_that_end_low():
+    # the LR ends at 0.05 (converted: 0.4): the bound above is (2 - 0.05) / (2 - 0.4) = 1.22.
+    # The schedules that end low stay within 0.5% of the original (above); this one does not.
+    # At this budget it ends 4% above the original; at the reference budget 3e6 (1.061x,
+    # outside the 5% target) it is not rerun here (minutes; see the module's command).
     res = compare_conversion("cosine_to_10pct", budget=BUDGET)
-    assert 1.0 < res.loss_ratio <= (2 - 0.05) / (2 - 0.4)
+    assert 1.0 + 0.005 < res.loss_ratio <= (2 - 0.05) / (2 - 0.4)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ double-counted or skipped microbatch moves the numbers by 25% or more.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -88,8 +89,19 @@ def _assert_matches(run: dict[str, float], ref: dict[str, float], rtol: float) -
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, float]:
+    with _one_thread():
+        return torchrun_reference(**SETTING)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The references run on one thread like the examples' ranks; the setting is restored after."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return torchrun_reference(**SETTING)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_torchrun_ddp_example_matches_the_single_process_reference(reference):
@@ -112,8 +124,8 @@ def test_torchrun_fsdp_example_bf16_every_microbatch_matches_a_bf16_reference():
     Computing in bf16 at all moves the measurement by about as much (compare the
     float32 reference), a wrong factor by 25% or more.
     """
-    torch.set_num_threads(1)
-    ref = torchrun_reference(**SETTING, bf16=True)
+    with _one_thread():
+        ref = torchrun_reference(**SETTING, bf16=True)
     _assert_matches(_torchrun("torchrun_fsdp.py", "--bf16", "--gradient-sync", "every"), ref, 2.0**-8)
 
 
