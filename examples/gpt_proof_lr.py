@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     setting = base.QUICK if args.quick else base.FULL
     only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
     out.mkdir(parents=True, exist_ok=True)
-    names = None if args.runs is None else [x.strip() for x in args.runs.split(",") if x.strip()]
+    names = None if args.runs is None or args.report_only else [x.strip() for x in args.runs.split(",") if x.strip()]
     results = run_all(setting, out, max(1, args.jobs), {"-"} if args.report_only else only, names)
     rows = summarise(results)
     (out / "results.json").write_text(json.dumps({"setting": setting.name, "setting_key": setting.key(),

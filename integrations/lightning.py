@@ -346,13 +346,7 @@ class CBSCallback(Callback):
             self._attach_schedulers(trainer)
         batches = trainer.num_training_batches
         if isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1 and self._can_grow():
-            cap = session.starting_accumulation
-            while cap * 2 <= batches:
-                cap *= 2
-            session.limit_accumulation(
-                max(cap, session.accumulation_steps),
-                f"an epoch holds {int(batches)} batches, and a window never spans two epochs",
-            )
+            session.limit_to_epoch(int(batches), "batches")
 
     def _attach_schedulers(self, trainer: pl.Trainer) -> None:
         session = self.session

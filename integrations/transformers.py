@@ -297,20 +297,13 @@ class CBSTrainer(Trainer):
         if self._collector is not None:
             self._collector.remove()
         self._collector = GradStatsCollector(self._params, transform=transform)
-        # one process, no sharding wrapper: a backward never syncs (a window's first gradients are read from .grad)
-        self._unsynced = (
-            cbs_dist.group_size(dp_group) == 1 and not self.is_fsdp_enabled and not self.is_deepspeed_enabled
-        )
+        # one process (FSDP and DeepSpeed are refused): a backward never syncs, so a window's
+        # first gradients are read from .grad
+        self._unsynced = cbs_dist.group_size(dp_group) == 1
         self._transform = transform
         self._avg_ranks = cbs_dist.group_size(dp_group)  # DDP averages over all ranks
         if self._steps_in_epoch is not None and self._can_grow():
-            cap = self._starting_accumulation
-            while cap * 2 <= self._steps_in_epoch:
-                cap *= 2
-            self.session.limit_accumulation(
-                max(cap, self.session.accumulation_steps),
-                f"an epoch holds {self._steps_in_epoch} microbatches per rank, and a window never spans two epochs",
-            )
+            self.session.limit_to_epoch(self._steps_in_epoch, "microbatches per rank")
         if self._starting_accumulation * self.session.dp_degree < 2:
             self.session.warn_once(
                 "single_microbatch",

@@ -428,6 +428,19 @@ class TrackingSession:
         self._set_coupling(coupling_factor(self.coupling_mode, new / self.starting_accumulation))
         return new
 
+    def limit_to_epoch(self, per_epoch: int, what: str) -> None:
+        """Never grow a window beyond an epoch of ``per_epoch`` ``what`` (a window never spans two epochs).
+
+        The cap is the largest power-of-two multiple of the starting accumulation that fits.
+        """
+        cap = self.starting_accumulation
+        while cap * 2 <= per_epoch:
+            cap *= 2
+        self.limit_accumulation(
+            max(cap, self.accumulation_steps),
+            f"an epoch holds {per_epoch} {what}, and a window never spans two epochs",
+        )
+
     def limit_accumulation(self, cap: int, reason: str) -> None:
         """Never grow beyond ``cap`` microbatches per rank (tells the controller, says why once)."""
         if self.controller is None or getattr(self.controller, "observe_only", False):

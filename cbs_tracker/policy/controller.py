@@ -281,11 +281,9 @@ class BatchSizeController:
             state.update(part.state_dict())
         return state
 
-    _REQUIRED_KEYS = (
-        "version", "started", "start_accumulation_steps", "units_sum", "accumulation_sum",
-        "exponent", "steps", "last_step", "last_tokens", "recent_noise_scales",
-        "grow_count", "shrink_count", "pending", "effective_tokens", "trap_state",
-    )
+    # the level's and the rules' state and the guard's state flag (its other keys and those of
+    # the plan and the conversion are optional: states written before them still load)
+    _REQUIRED_KEYS = ("version", *BatchLevel.KEYS, *GrowthRules.KEYS, "trap_state")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output. Strict on required keys, tolerant of newer optional ones.

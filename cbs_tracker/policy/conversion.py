@@ -23,8 +23,6 @@ class LRDecayConversion:
     schedule that rises again (a warm restart) lifts the reference with it.
     """
 
-    KEYS = ("lr_reference", "lr_conversions", "lr_halvings")
-
     def __init__(self) -> None:
         self.reference = 0.0  # 0: no scheduled LR seen yet
         self.conversions = 0  # halvings turned into a doubling

@@ -39,9 +39,6 @@ class FeedbackGuard:
     noise scale's own interval is no evidence).
     """
 
-    KEYS = ("trap_state", "trap_ns_before", "trap_tokens_before", "trap_slope", "trap_span", "trap_ratio",
-            "trap_exponent", "anchor_ns", "anchor_tokens", "anchor_set", "warned_trap")
-
     def __init__(self, settings: Any) -> None:
         self.settings = settings
         self.state = IDLE

@@ -25,8 +25,6 @@ class BudgetPlan:
             ``plan_floor_ratio``, ``max_batch``.
     """
 
-    KEYS = ("plan_anchor_batch",)
-
     def __init__(self, settings: Any) -> None:
         self.settings = settings
         self.anchor = 0.0  # starting batch the plan is built from
