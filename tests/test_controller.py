@@ -1096,3 +1096,13 @@ def test_shrink_needs_the_intervals_upper_end_below_the_threshold(high_fraction,
     decisions, (_, _, acc) = simulate_lr(ctrl, lambda *a: ns, lambda step: None, 300, accumulation=8,
                                          noise_scale_high=high)
     assert (acc == 4) is shrinks
+
+
+def test_an_armed_guard_without_its_noise_scale_before_is_refused_and_nothing_changes():
+    ctrl = BatchSizeController(kappa=1.0)
+    simulate(ctrl, _jump_after_the_first_doubling(1.3), 400)
+    before = ctrl.state_dict()
+    bad = dict(before, trap_state=1, trap_ns_before=0.0)
+    with pytest.raises(ValueError, match=r"trap_ns_before.*expected > 0 while a doubling awaits"):
+        ctrl.load_state_dict(bad)
+    assert ctrl.state_dict() == before

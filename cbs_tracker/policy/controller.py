@@ -311,12 +311,6 @@ class BatchSizeController:
         if version != self.STATE_VERSION:
             raise ValueError(f"{owner}: state['version']={version!r}: expected {self.STATE_VERSION}")
         parsed = [part.parse_state(read) for part in self._parts()]
-        guard = parsed[2]
-        if guard["state"] == 1 and guard["ns_before"] <= 0:
-            raise ValueError(
-                f"{owner}: state['trap_ns_before']={guard['ns_before']!r}: expected > 0 while a doubling "
-                "awaits its feedback check (state['trap_state']=1)"
-            )
         for part, values in zip(self._parts(), parsed, strict=True):
             part.assign(values)
 

@@ -175,7 +175,7 @@ class FeedbackGuard:
     @staticmethod
     def parse_state(read: StateReader) -> dict[str, Any]:
         """Validate this part's keys (all but ``trap_state`` optional); returns what :meth:`assign` takes."""
-        return {
+        parsed = {
             "state": read.integer("trap_state", minimum=IDLE, maximum=TRIPPED),
             "ns_before": read.number("trap_ns_before", minimum=0.0, default=0.0),
             "tokens_before": read.number("trap_tokens_before", minimum=-1.0, default=0.0),
@@ -188,6 +188,12 @@ class FeedbackGuard:
             "anchor_set": read.flag("anchor_set", default=0),
             "warned": read.flag("warned_trap", default=0),
         }
+        if parsed["state"] == ARMED and parsed["ns_before"] <= 0:
+            raise ValueError(
+                f"{read.owner}: state['trap_ns_before']={parsed['ns_before']!r}: expected > 0 while a doubling "
+                f"awaits its feedback check (state['trap_state']={ARMED})"
+            )
+        return parsed
 
     def assign(self, parsed: dict[str, Any]) -> None:
         for name, value in parsed.items():
