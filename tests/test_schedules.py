@@ -200,17 +200,19 @@ class _LRLog(pl.Callback):
         self.rows: list[tuple[int, int, float]] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        cbs = next(c for c in trainer.callbacks if isinstance(c, CBSCallback))
-        # position before this step: the starting-batch steps already counted (this step is measured now)
-        self.rows.append((cbs.starting_batch_steps, trainer.accumulate_grad_batches, optimizer.param_groups[0]["lr"]))
+        cbs = next((c for c in trainer.callbacks if isinstance(c, CBSCallback)), None)
+        # position before this step: the starting-batch steps already counted (this step is measured now);
+        # without the callback, the optimizer steps taken
+        position = trainer.global_step if cbs is None else cbs.starting_batch_steps
+        self.rows.append((position, trainer.accumulate_grad_batches, optimizer.param_groups[0]["lr"]))
 
 
-def _lightning_run(controller, *, scheduler: str, batches: int = 32, epochs: int = 2):
+def _lightning_run(controller, *, scheduler: str, batches: int = 32, epochs: int = 2, tracked: bool = True):
     log = _LRLog()
-    cbs = CBSCallback(controller=controller, unit="samples")
+    cbs = CBSCallback(controller=controller, unit="samples") if tracked else None
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, max_epochs=epochs,
-                         accumulate_grad_batches=A0, callbacks=[log, cbs])
+                         accumulate_grad_batches=A0, callbacks=[log] + ([cbs] if tracked else []))
     module = Regression(lr=0.05, scheduler=scheduler, optimizer="adam")
     trainer.fit(module, torch.utils.data.DataLoader(regression_data(batches * 2), batch_size=2, shuffle=False))
     sched = trainer.lr_scheduler_configs[0].scheduler
@@ -220,7 +222,9 @@ def _lightning_run(controller, *, scheduler: str, batches: int = 32, epochs: int
 @pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 @pytest.mark.parametrize("scheduler", ["cosine", "onecycle"])
 def test_lightning_schedule_sized_from_estimated_stepping_batches_finishes_with_the_data(scheduler):
-    const, _, const_sched, _ = _lightning_run(None, scheduler=scheduler)
+    # the truth: the same Trainer without the callback (Lightning steps its own scheduler)
+    const, _, const_sched, _ = _lightning_run(None, scheduler=scheduler, tracked=False)
+    assert [p for p, _, _ in const] == list(range(len(const)))
     # callbacks run in list order: _LRLog sees the position before CBSCallback counts this step
     const_lr = [lr for _, _, lr in const]
     grown, cbs, sched, trainer = _lightning_run(PlanController({2: 4, 5: 8}), scheduler=scheduler)

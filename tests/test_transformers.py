@@ -177,6 +177,10 @@ def _lr_run(tmp_path, name, controller, **kw):
 
 def test_lr_follows_the_constant_run_at_the_same_tokens_and_the_schedule_finishes(tmp_path):
     const, c_rows = _lr_run(tmp_path, "const", None)
+    # the constant run against the schedule written out (linear, 3 warm-up steps, 16 steps in all)
+    assert [r.lr for r in c_rows] == pytest.approx(
+        [1e-2 * (s / 3 if s < 3 else (16 - s) / (16 - 3)) for s in range(16)], rel=1e-12
+    )
     grow, g_rows = _lr_run(tmp_path, "grow", PlanController({3: 4, 6: 8}))
     assert [r.accumulation_steps for r in g_rows] == [2, 2, 2, 2, 4, 4, 8, 8]
     # the LR each step used is the constant run's at the tokens where the step starts, times sqrt(A/A0)
