@@ -7,11 +7,12 @@ the worker by name.
 from __future__ import annotations
 
 import os
-import types
 from typing import Any
 
 import torch
 from torch import nn
+
+from tests.doubles import PlanController
 
 D_IN = 8
 
@@ -62,26 +63,6 @@ class Regression(nn.Module):
         return {"loss": self.loss(x, labels)}
 
 
-class PlanController:
-    """Deterministic stand-in for a controller: ``plan[step]`` is the accumulation decided at ``step``."""
-
-    observe_only = False
-
-    def __init__(self, plan: dict[int, int]) -> None:
-        self.plan = dict(plan)
-
-    def update(self, *, step, tokens_seen, global_batch, accumulation_steps, noise_scale, **_):
-        new = self.plan.get(step)
-        return types.SimpleNamespace(
-            accumulation_steps=accumulation_steps if new is None else new, changed=new is not None,
-            critical_batch=None, lr_factor=1.0, reason="plan",
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 def training_args(out: str, **kw: Any) -> Any:

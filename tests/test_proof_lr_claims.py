@@ -5,18 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.test_claims import _rows
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _readme_rows() -> list[list[str]]:
-    lines = (ROOT / "README.md").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| run | LR schedule | seed | final val loss |"))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().replace("**", "") for c in line.strip().strip("|").split("|")])
-    return rows
+    return [[c.replace("**", "") for c in row] for row in _rows("| run | LR schedule | seed | final val loss |")]
 
 
 def test_readme_proof_table_is_what_the_script_wrote():
