@@ -17,14 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-ESTIMATOR_STATE_VERSION = 2
+from cbs_tracker.core.window import DriftWindow
+
+ESTIMATOR_STATE_VERSION = 3
 INTERVAL_CONFIDENCE = 0.90
 _Z = 1.6448536269514722  # standard normal quantile at (1 + INTERVAL_CONFIDENCE) / 2
 # Weight the steps without second moments (a state of version 1) may still hold before an
 # interval is reported again.
 _MAX_UNCOVERED_WEIGHT = 0.05
 
-Memory = Literal["adaptive", "fixed"]
+Memory = Literal["window", "adaptive", "fixed"]
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,11 @@ class NoiseScaleEstimator:
         min_steps: int = 10,
         outlier_clip: float | None = 5.0,
         outlier_window: int = 32,
+        memory: Memory | None = None,
+        max_window_fraction: float = 0.35,
+        agreement: float = 2.0,
+        extend_threshold: float = 3.0,
+        blocks_per_level: int = 4,
     ) -> None:
         def positive(name: str, value: object, allow_none: bool, what: str) -> None:
             if value is None and allow_none:
@@ -248,12 +255,29 @@ class NoiseScaleEstimator:
         positive("min_horizon_steps", min_horizon_steps, False, "a positive number")
         positive("max_horizon_fraction", max_horizon_fraction, False, "a positive number")
         positive("outlier_clip", outlier_clip, True, "a positive number or None")
-        for name, value, low in (("min_steps", min_steps, 1), ("outlier_window", outlier_window, 4)):
+        positive("agreement", agreement, False, "a positive number")
+        positive("extend_threshold", extend_threshold, False, "a positive number")
+        positive("max_window_fraction", max_window_fraction, False, "a number in (0, 1]")
+        if max_window_fraction > 1:
+            raise ValueError(f"NoiseScaleEstimator(max_window_fraction={max_window_fraction!r}): must be a number in (0, 1]")
+        if memory not in (None, "window", "adaptive", "fixed"):
+            raise ValueError(f"NoiseScaleEstimator(memory={memory!r}): must be 'window', 'adaptive', 'fixed' or None")
+        fixed = horizon is not None or horizon_steps is not None
+        if fixed and memory not in (None, "fixed"):
+            raise ValueError(f"NoiseScaleEstimator(memory={memory!r}): a horizon or horizon_steps sets memory='fixed'")
+        if memory == "fixed" and not fixed:
+            raise ValueError("NoiseScaleEstimator(memory='fixed'): needs horizon= or horizon_steps=")
+        for name, value, low in (("min_steps", min_steps, 1), ("outlier_window", outlier_window, 4),
+                                 ("blocks_per_level", blocks_per_level, 2)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"NoiseScaleEstimator({name}={value!r}): must be an integer >= {low}")
             if value < low:
                 raise ValueError(f"NoiseScaleEstimator({name}={value!r}): must be an integer >= {low}")
-        self.memory: Memory = "fixed" if horizon is not None or horizon_steps is not None else "adaptive"
+        self.memory: Memory = "fixed" if fixed else (memory or "window")
+        self.max_window_fraction = float(max_window_fraction)
+        self.agreement = float(agreement)
+        self.extend_threshold = float(extend_threshold)
+        self.blocks_per_level = blocks_per_level
         self._configured_horizon = None if horizon is None else float(horizon)
         self.horizon_steps = None if horizon_steps is None else float(horizon_steps)
         self.target_rel_error = float(target_rel_error)
@@ -282,8 +306,30 @@ class NoiseScaleEstimator:
         self._recent_grad_sq: deque[float] = deque(maxlen=self.outlier_window)
         self._recent_trace: deque[float] = deque(maxlen=self.outlier_window)
         self._last_step: StepEstimate | None = None
+        self._window: DriftWindow | None = None
+        if self.memory == "window":
+            self._window = DriftWindow(
+                per_level=self.blocks_per_level, max_fraction=self.max_window_fraction,
+                agreement=self.agreement / _Z, extend_threshold=self.extend_threshold / _Z,
+                min_steps=self.min_steps, scale_steps=8.0,
+                quantile=lambda dof: _student_quantile(dof), fieller=fieller_interval,
+            )
 
     # ------------------------------------------------------------------ results
+    @property
+    def window_steps(self) -> int | None:
+        """Steps in the window the estimate now rests on (``memory="window"`` only, else ``None``)."""
+        return None if self._window is None else self._window.window_steps
+
+    @property
+    def trend_used(self) -> bool:
+        """Whether the last estimate is the window's trend read now rather than its mean."""
+        return self._window is not None and self._window_estimate() is not None and bool(self._window_estimate()[2])  # type: ignore[index]
+
+    def _window_estimate(self) -> tuple[float | None, tuple[float, float], bool] | None:
+        if self._window is None or self._steps < self.min_steps:
+            return None
+        return self._window.estimate()
     @property
     def steps(self) -> int:
         """Accepted steps so far."""
@@ -304,6 +350,9 @@ class NoiseScaleEstimator:
         """Bias-corrected average of the ``|G|^2`` estimates, ``None`` before any step."""
         if self._steps == 0:
             return None
+        if self._window is not None:
+            means = self._window.means()
+            return None if means is None else means[0]
         return self._ema_grad_sq / (1.0 - self._keep)
 
     @property
@@ -311,6 +360,9 @@ class NoiseScaleEstimator:
         """Bias-corrected average of the ``tr(Sigma)`` estimates, ``None`` before any step."""
         if self._steps == 0:
             return None
+        if self._window is not None:
+            means = self._window.means()
+            return None if means is None else means[1]
         return self._ema_trace / (1.0 - self._keep)
 
     @property
@@ -347,12 +399,20 @@ class NoiseScaleEstimator:
     @property
     def effective_steps(self) -> float:
         """``1 / sum w_s^2`` of the normalised weights: steps an equal-weight mean would hold."""
+        if self._window is not None:
+            m = self._window.moments()
+            return 0.0 if m is None else m.effective_steps
         if self._steps == 0 or self._w2 <= 0:
             return 0.0
         return (1.0 - self._keep) ** 2 / self._w2
 
     def _estimate(self) -> tuple[float, tuple[float, float]] | None:
         """``(noise_scale, interval)``, or ``None`` while not supported."""
+        if self._window is not None:
+            found = self._window_estimate()
+            if found is None or found[0] is None:
+                return None
+            return found[0], found[1]
         g, t = self.grad_sq_norm, self.trace_cov
         if g is None or t is None or self._steps < self.min_steps or not g > 0:
             return None
@@ -440,6 +500,12 @@ class NoiseScaleEstimator:
         if self._first_units is None:
             self._first_units = float(n)
         self._units_seen += n
+        if self._window is not None:
+            # the clipped small norm, so that a spike does not silence the next steps' weights
+            self._window.add(g, t, n, g + t / small_batch)
+            self._steps += 1
+            self._last_step = raw
+            return self.result(accepted=True)
         self._horizon = horizon = self._next_horizon(n)
         keep = math.exp(-n / horizon)
         a = 1.0 - keep
@@ -516,6 +582,7 @@ class NoiseScaleEstimator:
             "l_t": self._l_t,
             "recent_grad_sq": list(self._recent_grad_sq),
             "recent_trace": list(self._recent_trace),
+            **({} if self._window is None else {"window": self._window.state_dict()}),
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -549,7 +616,7 @@ class NoiseScaleEstimator:
                 + (f"newer than the supported version {ESTIMATOR_STATE_VERSION}; upgrade cbs-tracker"
                    if newer else f"unknown; expected 1..{ESTIMATOR_STATE_VERSION}")
             )
-        if version == ESTIMATOR_STATE_VERSION:
+        if version >= 2:  # type: ignore[operator]
             required += ("units_seen", "moments_keep", "w2", "w2_per_unit", "q_gg", "q_tt", "q_gt", "l_g", "l_t")
             missing = [k for k in required if k not in state]
         if missing:
@@ -581,7 +648,7 @@ class NoiseScaleEstimator:
         horizon = optional_positive("horizon")
         first_units = optional_positive("first_units")
         keep = real("keep", 0.0, 1.0)
-        if steps > 0 and not keep < 1.0:
+        if steps > 0 and not keep < 1.0 and state.get("memory") != "window":
             raise ValueError(f"{where}: keep={keep!r} must be below 1 once steps > 0 (steps={steps})")
         ema_grad_sq, ema_trace = real("ema_grad_sq"), real("ema_trace")
         if version == 1:
@@ -597,8 +664,14 @@ class NoiseScaleEstimator:
             moments = {k: real(k, 0.0) for k in ("w2", "w2_per_unit", "q_gg", "q_tt")}
             moments.update({k: real(k) for k in ("q_gt", "l_g", "l_t")})
             memory = state.get("memory", "adaptive")
-            if memory not in ("adaptive", "fixed"):
-                raise ValueError(f"{where}: memory={memory!r} must be 'adaptive' or 'fixed'")
+            if memory not in ("window", "adaptive", "fixed"):
+                raise ValueError(f"{where}: memory={memory!r} must be 'window', 'adaptive' or 'fixed'")
+        window_state = None
+        if memory == "window":
+            saved_window = state.get("window")
+            if not isinstance(saved_window, Mapping):
+                raise KeyError(f"{where}: missing keys ['window'] (a state saved with memory='window')")
+            window_state = DriftWindow.check_state(saved_window, where)
         recent = {}
         for key in ("recent_grad_sq", "recent_trace"):
             values = state.get(key, [])
@@ -612,12 +685,18 @@ class NoiseScaleEstimator:
         elif (self._configured_horizon is not None and horizon is not None
               and not math.isclose(horizon, self._configured_horizon, rel_tol=1e-12)):
             notes.append(f"it was saved with horizon={horizon:g}, this estimator has horizon={self._configured_horizon:g}")
+        restart = (memory == "window") != (self.memory == "window")
         if notes:
-            warnings.warn(f"{where}: {notes[0]}; the configured memory is used from now on",
+            warnings.warn(f"{where}: {notes[0]}; the configured memory is used from now on"
+                          + ("; its averages cannot be carried over and restart empty" if restart else ""),
                           RuntimeWarning, stacklevel=2)
 
         # Everything checked: assign.
         self._reset_state()
+        if restart:
+            return
+        if self._window is not None and window_state is not None:
+            self._window.load(*window_state)
         if self._configured_horizon is None:
             if self.horizon_steps is not None and first_units is None and steps > 0:
                 self._horizon = horizon  # version 1: its horizon was derived the same way
