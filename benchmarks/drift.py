@@ -1,0 +1,129 @@
+"""Does the estimator follow a noise scale that moves? Synthetic gradients with a known drift.
+
+Per-example gradients ~ N(G(u), sigma(u)^2 I_d) in d = 128 dimensions, ``u`` the units
+seen. ``|G(u)|^2`` decays as a power law from 100x its late value,
+``1 + 99 (1 + u / u_c)^-1.5`` with ``u_c`` 2% of the run (normalised to 1 at the end),
+while ``tr(Sigma) = d sigma^2`` rises linearly by 1.5x; so ``B_simple(u)`` is known at
+every step and rises ~150x over the run. Each row runs K = 2 microbatches of
+``b = B_end * start`` examples per step for 4,000 steps and prints, over the steps after
+the first 5% of the run, the mean of ``|reported / truth - 1|`` and how often the 90%
+interval holds the current truth (means over seeds).
+
+    python benchmarks/drift.py [--seeds 4] [--steps 4000] [--memory window] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from cbs_tracker.core.estimator import NoiseScaleEstimator
+
+DIM = 128
+B_END = 4096.0
+STARTS = (1 / 32, 1 / 8, 1 / 2)
+
+
+def drifting_truth(steps: int, units_per_step: float, *, decay: float = 100.0, power: float = 1.5,
+                   knee: float = 0.02, trace_rise: float = 1.5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(|G|^2, sigma^2, B_simple)`` at each step's end; ``B_simple`` reaches ``B_END`` at the last step."""
+    total = steps * units_per_step
+    u = units_per_step * np.arange(1, steps + 1)
+    shape = 1 + (decay - 1) * (1 + u / (knee * total)) ** (-power)
+    grad_sq = shape / shape[-1]
+    trace = B_END * (1 + (trace_rise - 1) * u / total) / trace_rise
+    return grad_sq, trace / DIM, trace / grad_sq
+
+
+def drifting_norms(rng: np.random.Generator, b: float, k: int, grad_sq: np.ndarray,
+                   sigma_sq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact draws of each step's small and big squared norms (no d-dimensional vectors).
+
+    A microbatch mean is ``m_k = e_1 (|G| + s u_k) + s xi_k`` with ``s = sigma / sqrt(b)``,
+    ``u_k`` standard normal and ``xi_k`` standard normal in the other ``DIM - 1``
+    directions, whose Gram matrix is drawn by Bartlett's decomposition.
+
+    Returns:
+        ``(small, big)``: per step the mean of the ``|m_k|^2`` and ``|mean_k m_k|^2``.
+    """
+    steps = len(grad_sq)
+    g = np.sqrt(grad_sq)
+    s = np.sqrt(sigma_sq / b)
+    u = rng.standard_normal((steps, k))
+    lower = np.tril(rng.standard_normal((steps, k, k)), -1)
+    lower[:, np.arange(k), np.arange(k)] = np.sqrt(rng.chisquare(DIM - 1 - np.arange(k), size=(steps, k)))
+    along = (g[:, None] + s[:, None] * u) ** 2
+    small = np.mean(along + s[:, None] ** 2 * np.sum(lower**2, axis=2), axis=1)
+    big = (g + s * u.mean(axis=1)) ** 2 + s**2 * np.sum(lower.sum(axis=1) ** 2, axis=1) / (k * k)
+    return small, big
+
+
+@dataclass(frozen=True)
+class DriftRow:
+    """One start of the table.
+
+    Attributes:
+        start_over_truth: microbatch size over the late ``B_simple``.
+        mean_abs_error: mean over seeds and steps (after the first 5%) of ``|reported / truth - 1|``.
+        coverage: share of those steps whose 90% interval holds the current truth.
+        missing: share of those steps with no reported value (counted as error 1, not covered).
+        seeds: seeds run.
+    """
+
+    start_over_truth: float
+    mean_abs_error: float
+    coverage: float
+    missing: float
+    seeds: int
+
+
+def run_row(start: float, *, seeds: int, steps: int, k: int = 2, **estimator_kwargs: object) -> DriftRow:
+    """Feed ``seeds`` drifting runs with microbatches of ``start * B_END`` to fresh estimators."""
+    b = B_END * start
+    grad_sq, sigma_sq, truth = drifting_truth(steps, b * k)
+    first = int(0.05 * steps)
+    errors, covered, missing = [], [], []
+    for seed in range(seeds):
+        small, big = drifting_norms(np.random.default_rng([seed, 20]), b, k, grad_sq, sigma_sq)
+        est = NoiseScaleEstimator(**estimator_kwargs)  # type: ignore[arg-type]
+        for i in range(steps):
+            r = est.update(float(small[i]), float(big[i]), b, b * k)
+            if i < first:
+                continue
+            if r.noise_scale is None:
+                errors.append(1.0), covered.append(False), missing.append(True)
+                continue
+            errors.append(abs(r.noise_scale / truth[i] - 1))
+            covered.append(r.noise_scale_low <= truth[i] <= r.noise_scale_high)  # type: ignore[operator]
+            missing.append(False)
+    return DriftRow(start, float(np.mean(errors)), float(np.mean(covered)), float(np.mean(missing)), seeds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--memory", default="window", choices=("window", "adaptive"))
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = [run_row(s, seeds=args.seeds, steps=args.steps, memory=args.memory) for s in STARTS]
+    print(f"B_simple rises ~150x to {B_END:,.0f}; K = 2; {args.steps} steps; after the first 5%; "
+          f"{args.seeds} seeds; memory={args.memory}")
+    print(f"{'start/B_end':>11} {'mean |rep/truth-1|':>19} {'90% coverage':>13}")
+    for r in rows:
+        print(f"{'1/' + format(1 / r.start_over_truth, 'g'):>11} {r.mean_abs_error:>19.3f} {r.coverage:>13.2f}")
+    print(f"({time.perf_counter() - t0:.0f}s)")
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
