@@ -184,7 +184,20 @@ class NoiseScaleEstimator:
     skewed like the ratio, and unbounded above (``inf``) when ``G`` is not
     distinguishable from 0.
 
-    **Memory** (``horizon`` and ``horizon_steps`` unset: ``memory == "adaptive"``).
+    **Window** (the default, ``memory == "window"``): see :mod:`cbs_tracker.core.window`.
+    The per-step estimates live in blocks that double in size with age; each step is
+    weighted by its units over a short average of its small-batch norm; the window is
+    the longest run of recent blocks whose estimates agree (intersection of 90%-scale
+    intervals widened to ``agreement`` standard errors), capped at
+    ``max_window_fraction`` of the steps unless the older data agree with it within
+    ``extend_threshold`` standard errors (then the whole run is averaged flat-like).
+    When the window's mean lies outside the interval of a linear trend of the ratio
+    read at the current step, that trend is reported; otherwise the mean, with an
+    interval that also holds the trend's. It follows a noise scale that drifts (the
+    ``|G|^2`` just after initialisation is orders of magnitude above its later value)
+    and keeps the flat average's precision when nothing moves.
+
+    **Adaptive EMA** (``memory="adaptive"``, the default before the window).
     The squared error of the ratio is about ``rho / (2 H T^2)`` with ``rho`` the
     per-unit variance of ``t_s - B g_s``, estimated as above. Before each step
     the horizon is set to what reaches ``target_rel_error``,
@@ -218,6 +231,14 @@ class NoiseScaleEstimator:
         outlier_clip: half-width of the clipping band in inter-quartile ranges
             (default 5.0); ``None`` disables clipping.
         outlier_window: per-step estimates kept for the band (default 32).
+        memory: ``"window"`` (default), ``"adaptive"`` (the exponential average above) or
+            ``"fixed"`` (implied by ``horizon``/``horizon_steps``).
+        max_window_fraction: window memory: the longest window as a share of the steps
+            before the older data are tested for agreement (default 0.35).
+        agreement: window memory: standard errors within which windows must agree (default 2).
+        extend_threshold: window memory: standard errors within which the older data
+            rejoin the window (default 3).
+        blocks_per_level: window memory: blocks of each size kept (default 4).
 
     Raises:
         TypeError: an argument of the wrong type (``bool`` is not a number here).
