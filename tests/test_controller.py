@@ -1106,3 +1106,22 @@ def test_an_armed_guard_without_its_noise_scale_before_is_refused_and_nothing_ch
     with pytest.raises(ValueError, match=r"trap_ns_before.*expected > 0 while a doubling awaits"):
         ctrl.load_state_dict(bad)
     assert ctrl.state_dict() == before
+
+
+def test_conversions_are_bounded_by_conversion_kappa_not_by_the_growth_kappa():
+    # B_simple = 6 x MICRO; growth follows 0.5 x B_simple = 3 MICRO but a margin of 100 stops
+    # it; conversions go up to conversion_kappa x B_simple: 1 -> 2 -> 4 (<= 6) with the
+    # default 1, and only 1 -> 2 (<= 3) when the bound is the growth's own 0.5.
+    lr_at = _cosine(3000)
+    ctrl = BatchSizeController(margin=100.0, convert_lr_decay=True)
+    _, (_, _, acc) = simulate_lr(ctrl, lambda *a: 6.0 * MICRO, lr_at, 3200)
+    assert acc == 4 and ctrl.lr_conversions == 2
+    tight = BatchSizeController(margin=100.0, convert_lr_decay=True, conversion_kappa=0.5)
+    _, (_, _, acc) = simulate_lr(tight, lambda *a: 6.0 * MICRO, lr_at, 3200)
+    assert acc == 2 and tight.lr_conversions == 1
+
+
+@pytest.mark.parametrize("value,exc", [(0.0, ValueError), ("1", TypeError), (True, TypeError)])
+def test_conversion_kappa_is_checked(value, exc):
+    with pytest.raises(exc, match=r"BatchSizeController\(conversion_kappa="):
+        BatchSizeController(conversion_kappa=value)  # type: ignore[arg-type]

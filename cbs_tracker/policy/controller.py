@@ -159,8 +159,11 @@ class BatchSizeController:
             fraction of its initial excess loss. Default 0.5.
         convert_lr_decay: turn each halving of ``scheduled_lr`` (passed to
             :meth:`update`) into a doubling of the batch, while the doubled batch stays
-            at or below the measured critical batch and the caps; beyond that the LR
+            at or below ``conversion_kappa * B_simple`` and the caps; beyond that the LR
             decays as scheduled. Default ``False``.
+        conversion_kappa: the conversions' bound as a multiple of the measured noise
+            scale (default 1: ``B_simple`` itself, above the ``kappa * B_simple`` that
+            growth follows, so that a halving has room to convert).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -193,8 +196,10 @@ class BatchSizeController:
         plan_beta: float = 2.0,
         plan_floor_ratio: float = 0.5,
         convert_lr_decay: bool = False,
+        conversion_kappa: float = 1.0,
     ) -> None:
         _check_number("kappa", kappa)
+        _check_number("conversion_kappa", conversion_kappa)
         _check_number("min_batch", min_batch, allow_none=True)
         _check_number("max_batch", max_batch, allow_none=True)
         _check_number("margin", margin, allow_zero=True)
@@ -259,6 +264,7 @@ class BatchSizeController:
         self.plan_beta = float(plan_beta)
         self.plan_floor_ratio = float(plan_floor_ratio)
         self.convert_lr_decay = convert_lr_decay
+        self.conversion_kappa = float(conversion_kappa)
         self._level = BatchLevel()
         self._rules = GrowthRules(self)
         self._guard = FeedbackGuard(self)
@@ -511,8 +517,9 @@ class BatchSizeController:
         why_not = rules.why_not_grow(level)
         if why_not is None and self._guard.tripped:
             why_not = "feedback trap: the noise scale does not measure the critical batch"
-        if why_not is None and not rules.supports(doubled, now.low):
-            why_not = f"{doubled:.4g} is above the measured critical batch {rules.clip(self.kappa * now.median):.4g}"  # type: ignore[operator]
+        if why_not is None and not rules.supports(doubled, now.low, kappa=self.conversion_kappa):
+            bound = rules.clip(self.conversion_kappa * now.median)  # type: ignore[operator]
+            why_not = f"{doubled:.4g} is above conversion_kappa x the measured noise scale {bound:.4g}"
         conversion.consume(converted=why_not is None)
         if why_not is not None:
             _log.info("BatchSizeController step %d: scheduled LR halved; not converted (%s), it decays as "

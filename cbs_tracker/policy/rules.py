@@ -77,10 +77,11 @@ class GrowthRules:
             value = min(value, s.max_batch)
         return value
 
-    def supports(self, batch: float, low: float | None) -> bool:
+    def supports(self, batch: float, low: float | None, kappa: float | None = None) -> bool:
         """The evidence puts the critical batch at or above ``batch``: ``clip(kappa * x) >= batch``
-        for ``x`` the window's median and, when given, the interval's lower end ``low``."""
-        kappa = self.settings.kappa
+        for ``x`` the window's median and, when given, the interval's lower end ``low``
+        (``kappa`` defaults to the controller's)."""
+        kappa = self.settings.kappa if kappa is None else kappa
         med = self.median()
         return med is not None and self.clip(kappa * med) >= batch and (
             low is None or self.clip(kappa * low) >= batch)
