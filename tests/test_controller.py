@@ -344,9 +344,25 @@ def test_feedback_trap_noise_scale_following_the_batch_does_not_run_away():
     ctrl = BatchSizeController()
     with pytest.warns(RuntimeWarning, match="follows the batch"):
         decisions, (_, _, acc) = simulate(ctrl, signal, 20000)
-    assert acc == 2  # one doubling to find out, then growth stops
+    assert acc == 4  # two doublings that follow the batch, then growth stops
     assert ctrl.feedback_trap and decisions[-1].feedback_trap
     assert "feedback trap" in decisions[-1].reason
+
+
+def test_one_chance_comparison_does_not_stop_growth():
+    # B_simple = 20 x MICRO, steady, but read 30% low just before the first doubling: that
+    # doubling looks like the trap (x1.43 > 1.4 beyond the trend); the next one does not,
+    # so growth goes on to the batch that kappa * B_simple allows (8 MICRO)
+    def signal(step, tokens, batch):
+        return 20.0 * MICRO * (0.7 if 70 <= step <= 100 else 1.0)
+
+    ctrl = BatchSizeController(warmup_steps=70, window=16, patience=8)
+    decisions, (_, _, acc) = simulate(ctrl, signal, 3000)
+    assert not ctrl.feedback_trap and acc == 8
+    once = BatchSizeController(warmup_steps=70, window=16, patience=8, feedback_strikes=1)
+    with pytest.warns(RuntimeWarning, match="follows the batch"):
+        _, (_, _, acc_once) = simulate(once, signal, 3000)
+    assert once.feedback_trap and acc_once == 2  # the one-comparison rule stops at the first doubling
 
 
 def test_feedback_trap_warns_once():
@@ -380,7 +396,7 @@ def test_trap_after_a_landscape_phase():
     def signal(step, tokens, batch):
         return 5 * MICRO if tokens < 1e6 else 10.0 * batch
 
-    ctrl = BatchSizeController(kappa=1.0)
+    ctrl = BatchSizeController(feedback_strikes=1, kappa=1.0)
     with pytest.warns(RuntimeWarning):
         decisions, (_, _, acc) = simulate(ctrl, signal, 20000)
     assert ctrl.feedback_trap
@@ -407,7 +423,7 @@ def test_growth_resumes_when_the_noise_scale_rises_at_a_fixed_batch():
 
 
 def test_without_resume_a_trap_stops_growth_for_good():
-    ctrl = BatchSizeController(feedback_resume=None)
+    ctrl = BatchSizeController(feedback_strikes=1, feedback_resume=None)
     with pytest.warns(RuntimeWarning, match="for the rest of the run"):
         _, (_, _, acc) = simulate(ctrl, _trap_then_landscape(1.5e6), 6000)
     assert acc == 2 and ctrl.feedback_trap
@@ -708,7 +724,7 @@ def test_budget_mode_keeps_the_measured_level_when_it_is_higher():
 
 def test_budget_mode_returns_to_the_plan_after_a_feedback_trap():
     budget = 2e6
-    ctrl = BatchSizeController(budget_tokens=budget)
+    ctrl = BatchSizeController(feedback_strikes=1, budget_tokens=budget)
     with pytest.warns(RuntimeWarning, match="follows the batch"):
         decisions, _ = simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 6000)
     grown = changes(decisions)
@@ -806,7 +822,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_the_same_decisions():
 
 
 def _trained_controller():
-    ctrl = BatchSizeController(convert_lr_decay=True)
+    ctrl = BatchSizeController(convert_lr_decay=True, feedback_strikes=1)
     with pytest.warns(RuntimeWarning):
         simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 600)
     return ctrl
@@ -841,6 +857,12 @@ def test_a_corrupted_state_is_refused_and_changes_nothing(key, value, exc, match
     with pytest.raises(exc, match=match):
         fresh.load_state_dict(state)
     assert fresh.state_dict() == BatchSizeController().state_dict()
+
+
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (9, ValueError), (1.5, TypeError)])
+def test_feedback_strikes_is_checked(value, exc):
+    with pytest.raises(exc, match=r"BatchSizeController\(feedback_strikes="):
+        BatchSizeController(feedback_strikes=value)  # type: ignore[arg-type]
 
 
 def test_a_failed_load_leaves_every_part_untouched():
@@ -943,7 +965,7 @@ def test_the_reference_is_the_peak_after_a_warmup():
 
 def test_no_conversion_while_the_noise_scale_follows_the_batch():
     # the feedback trap: the measured critical batch is no measurement, so halvings only decay the LR
-    ctrl = BatchSizeController(convert_lr_decay=True)
+    ctrl = BatchSizeController(feedback_strikes=1, convert_lr_decay=True)
     lr_at = _cosine(4000)
     with pytest.warns(RuntimeWarning, match="follows the batch"):
         decisions, (_, _, acc) = simulate_lr(ctrl, lambda step, tokens, batch: 10.0 * batch, lr_at, 4000)
@@ -1018,7 +1040,7 @@ def _jump_after_the_first_doubling(ratio):
 @pytest.mark.parametrize("ratio,trap", [(1.3, False), (1.45, True), (1.5, True)])
 def test_feedback_trap_threshold(ratio, trap):
     # x1.3 is no trap, x1.45 and x1.5 are (feedback_ratio 1.4; x1.45 fails if it were 1.5)
-    ctrl = BatchSizeController(kappa=1.0)
+    ctrl = BatchSizeController(feedback_strikes=1, kappa=1.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         decisions, (_, _, acc) = simulate(ctrl, _jump_after_the_first_doubling(ratio), 1500)
@@ -1045,7 +1067,7 @@ def test_growth_resumes_at_a_rise_of_1_5(rise, resumes):
     def signal(step, tokens, batch):
         return 10.0 * batch if tokens < 1.5e6 else rise * 10.0 * 2 * MICRO
 
-    ctrl = BatchSizeController()
+    ctrl = BatchSizeController(feedback_strikes=1)
     with pytest.warns(RuntimeWarning, match="follows the batch"):
         decisions, (_, _, acc) = simulate(ctrl, signal, 5000)
     assert [d.accumulation_steps for d in changes(decisions)][0] == 2
@@ -1057,7 +1079,7 @@ def test_growth_resumes_at_a_rise_of_1_5(rise, resumes):
 def test_a_jump_within_the_noise_scales_own_interval_is_no_trap(low_fraction, trap):
     # the x1.5 jump above; with an interval whose lower end (0.6 * 1.5 = 0.9 of the earlier
     # level) still holds the earlier value, the jump is no evidence; a narrow one (0.95) is
-    ctrl = BatchSizeController(kappa=1.0, margin=0.5)  # margin 0.5: no second doubling either way
+    ctrl = BatchSizeController(feedback_strikes=1, kappa=1.0, margin=0.5)  # margin 0.5: no second doubling either way
     signal = _jump_after_the_first_doubling(1.5)
     acc, tokens = 1, 0.0
     with warnings.catch_warnings():

@@ -143,8 +143,11 @@ class BatchSizeController:
             applies the coupling itself; ``lr_factor`` is then 1.
         feedback_guard: detect the feedback trap (the noise scale follows the batch)
             and stop growing there. Default ``True``.
-        feedback_ratio: the trap is declared when, after a doubling, the median noise
+        feedback_ratio: a doubling follows the batch when, after it, the median noise
             scale grew by at least this factor beyond its earlier trend. Default 1.4.
+        feedback_strikes: the trap is declared after this many measured doublings in a
+            row followed the batch (default 2: one comparison can rest on a noise scale
+            that read low by chance; a true trap costs one doubling more).
         feedback_resume: after a trap, growth resumes once ``B_simple / B`` has risen by
             this factor at a fixed batch. ``None``: stop for good. Default 1.5. Not used
             in budget-aware mode (the plan times the growth after a trap).
@@ -191,6 +194,7 @@ class BatchSizeController:
         feedback_guard: bool = True,
         feedback_ratio: float = 1.4,
         feedback_resume: float | None = 1.5,
+        feedback_strikes: int = 2,
         budget_tokens: float | None = None,
         plan_s: float = 0.5,
         plan_beta: float = 2.0,
@@ -211,6 +215,10 @@ class BatchSizeController:
         _check_number("max_accumulation_steps", max_accumulation_steps, allow_none=True, integer=True)
         _check_number("feedback_ratio", feedback_ratio)
         _check_number("feedback_resume", feedback_resume, allow_none=True)
+        _check_number("feedback_strikes", feedback_strikes, integer=True)
+        if feedback_strikes > FeedbackGuard.MAX_STRIKES:
+            raise ValueError(f"BatchSizeController(feedback_strikes={feedback_strikes!r}): must be an integer "
+                             f"in [1, {FeedbackGuard.MAX_STRIKES}]")
         if feedback_resume is not None and feedback_resume <= 1.0:
             raise ValueError(
                 f"BatchSizeController(feedback_resume={feedback_resume!r}): must be > 1 or None "
@@ -259,6 +267,7 @@ class BatchSizeController:
         self.feedback_guard = feedback_guard
         self.feedback_ratio = float(feedback_ratio)
         self.feedback_resume = None if feedback_resume is None else float(feedback_resume)
+        self.feedback_strikes = feedback_strikes
         self.budget_tokens = None if budget_tokens is None else float(budget_tokens)
         self.plan_s = float(plan_s)
         self.plan_beta = float(plan_beta)

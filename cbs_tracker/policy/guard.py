@@ -3,7 +3,8 @@
 Near the noise floor of the current batch ``B_simple`` scales with ``B`` itself, so a
 doubling makes its own reason for the next one. :class:`FeedbackGuard` compares the
 median noise scale after a doubling with the one that triggered it, net of the trend
-seen before, and lets growth resume once ``B_simple / B`` rises at a fixed batch.
+seen before; the trap is declared on two such doublings in a row (one can be a chance
+low before it), and growth resumes once ``B_simple / B`` rises at a fixed batch.
 """
 
 from __future__ import annotations
@@ -28,16 +29,21 @@ class FeedbackGuard:
     """Trap detection after a doubling, and resumption at a fixed batch.
 
     Args:
-        settings: the controller; read: ``feedback_guard``, ``feedback_ratio``,
+        settings: the controller; read: ``feedback_guard``, ``feedback_ratio``, ``feedback_strikes``,
             ``feedback_resume``, ``budget_tokens`` (no resumption with a budget: the
             plan times the growth after a trap).
 
     The check of a doubling: ``growth = median_after / median_before`` against the
-    trend ``exp(slope * span)`` measured over the window before the doubling; the trap
-    is declared when ``growth / trend >= feedback_ratio`` and the earlier level (carried
-    by the trend) lies below the new measurement's interval (a change within the
-    noise scale's own interval is no evidence).
+    trend ``exp(slope * span)`` measured over the window before the doubling; a doubling
+    *follows the batch* when ``growth / trend >= feedback_ratio`` and the earlier level
+    (carried by the trend) lies below the new measurement's interval (a change within the
+    noise scale's own interval is no evidence). The trap is declared when
+    ``feedback_strikes`` measured doublings in a row followed the batch: a noise scale
+    that read low by chance before one doubling makes that doubling look like the trap,
+    and one comparison must not stop growth for the rest of the run.
     """
+
+    MAX_STRIKES = 8
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
@@ -54,6 +60,7 @@ class FeedbackGuard:
         self.anchor_tokens = 0.0
         self.anchor_set = False
         self.warned = False
+        self.strikes = 0  # measured doublings in a row that followed the batch
 
     @property
     def tripped(self) -> bool:
@@ -103,7 +110,14 @@ class FeedbackGuard:
         excess = growth / trend
         outside = low is None or low > self.ns_before * trend
         if excess < self.settings.feedback_ratio or not outside:
+            self.state, self.strikes = IDLE, 0
+            return
+        self.strikes += 1
+        if self.strikes < self.settings.feedback_strikes:
             self.state = IDLE
+            _log.info("BatchSizeController step %d: after doubling the batch, the measured noise scale grew x%.2f "
+                      "(x%.2f beyond its earlier trend), as in the feedback trap; the next measured doubling "
+                      "decides", step, growth, excess)
             return
         self.state = TRIPPED
         self.ratio, self.exponent = median / batch, exponent
@@ -170,6 +184,7 @@ class FeedbackGuard:
             "anchor_tokens": self.anchor_tokens,
             "anchor_set": int(self.anchor_set),
             "warned_trap": int(self.warned),
+            "trap_strikes": self.strikes,
         }
 
     @staticmethod
@@ -187,6 +202,7 @@ class FeedbackGuard:
             "anchor_tokens": read.number("anchor_tokens", minimum=-1.0, default=0.0),
             "anchor_set": read.flag("anchor_set", default=0),
             "warned": read.flag("warned_trap", default=0),
+            "strikes": read.integer("trap_strikes", minimum=0, maximum=FeedbackGuard.MAX_STRIKES, default=0),
         }
         if parsed["state"] == ARMED and parsed["ns_before"] <= 0:
             raise ValueError(
