@@ -476,3 +476,44 @@ def test_adaptive_horizon_stays_within_its_bounds():
 def test_estimate_from_norms_refuses_one_size():
     with pytest.raises(ValueError, match=r"need 0 < small_batch < big_batch"):
         estimate_from_norms(1.0, 1.0, 8, 8)
+
+
+# ---------------------------------------------------------------------------- window memory
+def test_window_choice_matches_the_plain_loop_reference():
+    # the vectorised choice against DriftWindow._choose_reference (one candidate at a
+    # time, newest first) on a stream with a level shift, a drift and a batch doubling
+    rng = np.random.default_rng(11)
+    est = NoiseScaleEstimator()
+    kinds = set()
+    for i in range(2500):
+        g2 = 1.0 if i < 900 else 0.2 * (1 + (i - 900) / 800)
+        n = 8.0 if i < 1800 else 16.0
+        est.update(g2 + 64 / (n / 2) + rng.normal(0, 2), g2 + 64 / n + rng.normal(0, 1), n / 2, n)
+        window = est._window
+        if window.window is None:
+            continue
+        fast, fast_extended = list(window.window), window.extended
+        window._choose_reference()
+        np.testing.assert_allclose(fast, window.window, rtol=1e-9, atol=1e-12)
+        assert fast_extended == window.extended
+        kinds.add((fast_extended, est.window_steps < est.steps))
+    # both outcomes were exercised: the whole run (older data agree) and a cut window
+    assert (True, False) in kinds and (False, True) in kinds
+
+
+def test_window_follows_a_level_shift_that_an_exponential_memory_keeps():
+    # |G|^2 drops 20x at step 600 (B_simple 64 -> 1280); 300 steps later the window reads
+    # the new value within 20%, the earlier adaptive EMA still reads it several times low
+    rng = np.random.default_rng(2)
+    window, ema = NoiseScaleEstimator(), NoiseScaleEstimator(memory="adaptive")
+    for i in range(900):
+        g2 = 1.0 if i < 600 else 0.05
+        small = g2 + 64 / 8 + rng.normal(0, 0.05)
+        big = g2 + 64 / 64 + rng.normal(0, 0.01)
+        window.update(small, big, 8, 64)
+        ema.update(small, big, 8, 64)
+    truth = 64 / 0.05
+    assert window.noise_scale == pytest.approx(truth, rel=0.2)
+    low, high = window.noise_scale_interval
+    assert low <= truth <= high
+    assert ema.noise_scale < 0.5 * truth

@@ -18,6 +18,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 # The fields of a block, in order: sums over its steps with weight w = units / scale.
 # W = sum w, W2 = sum w^2, SG = sum w g, ST = sum w t, QGG/QTT/QGT = sum w^2 g g / t t / g t,
 # LG/LT = sum w^2 g / t, STEPS = steps, GX/TX = sum w g x / w t x, GXX = sum w g x^2,
@@ -109,6 +111,77 @@ def trend_fit(acc: Sequence[float], x0: float) -> tuple[float, float, float] | N
     return b0, math.sqrt(max(var, 0.0)), max(n_eff - 2.0, 1.0)
 
 
+_Z = 1.6448536269514722  # standard normal quantile at 0.95
+
+
+def _t_quantiles(dof: np.ndarray) -> np.ndarray:
+    """Student-t quantiles at 0.95 for an array of degrees of freedom (Cornish-Fisher, A&S 26.7.5)."""
+    z = _Z
+    nu = np.maximum(dof, 1.0)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    return z + g1 / nu + g2 / nu**2 + g3 / nu**3
+
+
+def _fieller_arrays(num, den, var_num, var_den, cov, q):  # noqa: ANN001, ANN202
+    """Fieller's interval (as ``estimator.fieller_interval``) for arrays of ratios."""
+    q2 = q * q
+    a = den * den - q2 * var_den
+    b = num * den - q2 * cov
+    c = num * num - q2 * var_num
+    root = np.sqrt(np.maximum(b * b - a * c, 0.0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lower = np.maximum((b - root) / a, 0.0)
+        upper = np.maximum((b + root) / a, 0.0)
+    bounded = a > 0
+    unbounded_low = ~bounded & ((c <= 0) | (a == 0))
+    low = np.where(bounded, lower, np.where(unbounded_low, 0.0, lower))
+    high = np.where(bounded, upper, np.inf)
+    return low, high
+
+
+def _candidate_intervals(sums: np.ndarray, position: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """The interval of every candidate window at once (rows of ``sums``); NaN where there is none.
+
+    The same choice as :meth:`DriftWindow._interval`: the trend's Wald interval where
+    :meth:`DriftWindow._trend` would use it, else Fieller's interval of the means,
+    both widened to ``scale`` times the 90% quantile.
+    """
+    w, w2 = sums[:, W], sums[:, W2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n_eff = w * w / w2
+        ok = (w > 0) & (w2 > 0) & (n_eff > 1.0)
+        g, t = sums[:, SG] / w, sums[:, ST] / w
+        norm = n_eff / (n_eff - 1.0) / (w * w)
+        v_gg = np.maximum(sums[:, QGG] - 2 * g * sums[:, LG] + g * g * w2, 0.0) * norm
+        v_tt = np.maximum(sums[:, QTT] - 2 * t * sums[:, LT] + t * t * w2, 0.0) * norm
+        v_gt = (sums[:, QGT] - g * sums[:, LT] - t * sums[:, LG] + g * t * w2) * norm
+        low, high = _fieller_arrays(t, g, v_tt, v_gg, v_gt, scale * _t_quantiles(n_eff - 1.0))
+        # the trend, where the window's |G|^2 is known to TREND_MAX_REL_SE
+        x0 = position
+        a = sums[:, SG]
+        b = sums[:, GX] - x0 * a
+        d = sums[:, GXX] - 2 * x0 * sums[:, GX] + x0 * x0 * a
+        det = a * d - b * b
+        trend = (ok & (g > 0) & (v_gg <= (TREND_MAX_REL_SE * g) ** 2) & (sums[:, STEPS] >= 4) & (a > 0)
+                 & (det > 1e-12 * a * d))
+        y0, y1 = sums[:, ST], sums[:, TX] - x0 * sums[:, ST]
+        b0 = (d * y0 - b * y1) / det
+        level = sums[:, ST] / a
+        rho = np.maximum(sums[:, QTT] - 2 * level * sums[:, QGT] + level * level * sums[:, QGG], 0.0) / w2
+        rho = rho * n_eff / np.maximum(n_eff - 2.0, 1.0)
+        s01 = sums[:, W2X] - x0 * w2
+        s11 = sums[:, W2XX] - 2 * x0 * sums[:, W2X] + x0 * x0 * w2
+        se = np.sqrt(np.maximum(rho * (d * d * w2 - 2 * d * b * s01 + b * b * s11) / (det * det), 0.0))
+        half = scale * _t_quantiles(np.maximum(n_eff - 2.0, 1.0)) * se
+        low = np.where(trend, b0 - half, low)
+        high = np.where(trend, b0 + half, high)
+    low = np.where(ok, low, np.nan)
+    high = np.where(ok, high, np.nan)
+    return low, high
+
+
 class DriftWindow:
     """Blocks of per-step sums and the window chosen over them (see the module docstring).
 
@@ -143,6 +216,7 @@ class DriftWindow:
         self.steps = 0
         self.window: list[float] | None = None
         self.extended = False
+        self._cached: tuple | None = None  # estimate() of the current window
 
     # ------------------------------------------------------------------ update
     def add(self, grad_sq: float, trace: float, units: float, small_sq_norm: float) -> None:
@@ -158,6 +232,7 @@ class DriftWindow:
         self.steps += 1
         self._compact()
         self._choose()
+        self._cached = None
 
     def _compact(self) -> None:
         blocks, level = self.blocks, 0.0
@@ -203,11 +278,53 @@ class DriftWindow:
         return m.grad_sq_norm**2 > q * q * m.var_grad_sq
 
     def _choose(self) -> None:
+        """Choose the window (vectorised over the candidates; :meth:`_choose_reference` is the plain loop)."""
+        newest_first = np.asarray(self.blocks, dtype=float)[::-1, :_FIELDS]
+        sums = np.cumsum(newest_first, axis=0)  # sums[j]: the newest j + 1 blocks
+        steps = sums[:, STEPS]
+        before = np.concatenate(([0.0], steps[:-1]))
+        allowed = (before < self.min_steps) | (steps <= self.max_fraction * self.steps)
+        n = len(steps) if allowed.all() else int(np.argmin(allowed))
+        capped = n < len(steps)
+        low, high = _candidate_intervals(sums[:n], self.position, self.agreement)
+        valid = (steps[:n] >= self.min_steps) & ~np.isnan(low)
+        run_low = np.maximum.accumulate(np.where(valid, low, -np.inf))
+        run_high = np.minimum.accumulate(np.where(valid, high, np.inf))
+        prev_low = np.concatenate(([-np.inf], run_low[:-1]))
+        prev_high = np.concatenate(([np.inf], run_high[:-1]))
+        disjoint = valid & ((low > prev_high) | (high < prev_low))
+        if disjoint.any():
+            stop, capped = int(np.argmax(disjoint)), False
+        else:
+            stop = n
+        agreeing = np.flatnonzero(valid[:stop])
+        chosen = None if agreeing.size == 0 else sums[agreeing[-1]].tolist()
+        self._settle(chosen, capped, sums[-1].tolist())
+
+    def _settle(self, chosen: list[float] | None, capped: bool, total: list[float]) -> None:
+        """Keep the chosen window, or the whole run when it cannot say anything or the older data agree."""
+        if chosen is not None and not self._bounded(chosen):
+            # |G|^2 of the window the data agree on is not distinguishable from 0: a cut
+            # that leaves nothing to say is not taken, the whole run is all there is
+            chosen, capped = total, False
+        self.window, self.extended = chosen, False
+        if not capped or chosen is None or not chosen[SG] > 0:
+            return
+        older = [x - y for x, y in zip(total, chosen)]
+        ratio = chosen[ST] / chosen[SG]
+        rho = max(chosen[QTT] - 2 * ratio * chosen[QGT] + ratio * ratio * chosen[QGG], 0.0) / chosen[W2]
+        gap = (older[ST] - ratio * older[SG]) / older[W]
+        var = rho * (older[W2] / older[W] ** 2 + chosen[W2] / chosen[W] ** 2)
+        q = self.extend_threshold * self._quantile(chosen[STEPS] - 1.0)
+        if gap * gap <= q * q * var:
+            self.window, self.extended = total, True
+
+    def _choose_reference(self) -> None:
+        """The window choice as a plain loop over the candidates, newest first (the slow reference)."""
         acc = [0.0] * _FIELDS
         low, high = -math.inf, math.inf
         chosen: list[float] | None = None
         newest_first = self.blocks[::-1]
-        used = 0
         capped = False
         limit = self.max_fraction * self.steps
         for block in newest_first:
@@ -215,7 +332,6 @@ class DriftWindow:
                 capped = True
                 break
             _add(acc, block)
-            used += 1
             if acc[STEPS] < self.min_steps:
                 continue
             interval = self._interval(acc, self.agreement)
@@ -225,27 +341,10 @@ class DriftWindow:
                 break
             low, high = max(low, interval[0]), min(high, interval[1])
             chosen = list(acc)
-        if chosen is not None and not self._bounded(chosen):
-            # |G|^2 of the window the data agree on is not distinguishable from 0: a cut
-            # that leaves nothing to say is not taken, the whole run is all there is
-            chosen = [0.0] * _FIELDS
-            for block in self.blocks:
-                _add(chosen, block)
-            capped = False
-        self.window, self.extended = chosen, False
-        if not capped or chosen is None or not chosen[SG] > 0:
-            return
-        older = [0.0] * _FIELDS
-        for block in newest_first[used:]:
-            _add(older, block)
-        ratio = chosen[ST] / chosen[SG]
-        rho = max(chosen[QTT] - 2 * ratio * chosen[QGT] + ratio * ratio * chosen[QGG], 0.0) / chosen[W2]
-        gap = (older[ST] - ratio * older[SG]) / older[W]
-        var = rho * (older[W2] / older[W] ** 2 + chosen[W2] / chosen[W] ** 2)
-        q = self.extend_threshold * self._quantile(chosen[STEPS] - 1.0)
-        if gap * gap <= q * q * var:
-            _add(chosen, older)
-            self.extended = True
+        total = [0.0] * _FIELDS
+        for block in self.blocks:
+            _add(total, block)
+        self._settle(chosen, capped, total)
 
     # ------------------------------------------------------------------ results
     @property
@@ -269,6 +368,12 @@ class DriftWindow:
         return None if self.window is None else level_moments(self.window)
 
     def estimate(self) -> tuple[float | None, tuple[float, float], bool] | None:
+        """See :meth:`_estimate`; computed once per step."""
+        if self._cached is None:
+            self._cached = (self._estimate(),)
+        return self._cached[0]
+
+    def _estimate(self) -> tuple[float | None, tuple[float, float], bool] | None:
         """``(ratio of the means or None, 90% interval, trend used)``, or ``None`` without a window.
 
         The ratio of the window's means with Beale's correction, its Fieller interval
@@ -338,6 +443,6 @@ class DriftWindow:
     def load(self, blocks: list[list[float]], scale: float | None, position: float, steps: int) -> None:
         """Assign a checked state and choose the window again."""
         self.blocks, self.scale, self.position, self.steps = blocks, scale, position, steps
-        self.window, self.extended = None, False
+        self.window, self.extended, self._cached = None, False, None
         if blocks:
             self._choose()
