@@ -147,7 +147,9 @@ class BatchSizeController:
             scale grew by at least this factor beyond its earlier trend. Default 1.4.
         feedback_strikes: the trap is declared after this many measured doublings in a
             row followed the batch (default 2: one comparison can rest on a noise scale
-            that read low by chance; a true trap costs one doubling more).
+            that read low by chance; a true trap costs one doubling more). With
+            ``budget_tokens`` one comparison decides (the plan, not the trap, then
+            times the growth, so a false trap silences nothing).
         feedback_resume: after a trap, growth resumes once ``B_simple / B`` has risen by
             this factor at a fixed batch. ``None``: stop for good. Default 1.5. Not used
             in budget-aware mode (the plan times the growth after a trap).

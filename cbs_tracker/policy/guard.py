@@ -90,7 +90,10 @@ class FeedbackGuard:
         self.state = IDLE
         if measured_doubling and self.settings.feedback_guard and median is not None:
             slope, span = 0.0, 0.0
-            if self.anchor_set and tokens > self.anchor_tokens and self.anchor_ns > 0:
+            # After a doubling that followed the batch, the rise seen since is no landscape
+            # trend: in the trap it is that doubling's own echo, and crediting it would
+            # explain the next doubling's rise away. The deciding doubling is judged flat.
+            if self.strikes == 0 and self.anchor_set and tokens > self.anchor_tokens and self.anchor_ns > 0:
                 span = tokens - self.anchor_tokens
                 slope = max(0.0, math.log(median / self.anchor_ns) / span)
             self.state = ARMED
@@ -113,7 +116,10 @@ class FeedbackGuard:
             self.state, self.strikes = IDLE, 0
             return
         self.strikes += 1
-        if self.strikes < self.settings.feedback_strikes:
+        # With a budget a trap silences nothing (the plan goes on timing the growth), so
+        # one comparison decides there, as it costs the least doubling into the trap.
+        needed = 1 if self.settings.budget_tokens is not None else self.settings.feedback_strikes
+        if self.strikes < needed:
             self.state = IDLE
             _log.info("BatchSizeController step %d: after doubling the batch, the measured noise scale grew x%.2f "
                       "(x%.2f beyond its earlier trend), as in the feedback trap; the next measured doubling "
