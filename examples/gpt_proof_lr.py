@@ -246,8 +246,8 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
               "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green"}
     for col, lr_schedule in enumerate(("cosine", "wsd")):
         for r in results.values():
-            if r["lr_schedule"] != lr_schedule or r["seed"] != 0:
-                continue
+            if r["lr_schedule"] != lr_schedule or r["seed"] != 0 or "evals" not in r:
+                continue  # a baseline row taken from an earlier results file has no curves
             ls = ":" if r["cap_lr_at_peak"] else "-"
             e, t = r["evals"], r["trace"]
             axes[0, col].plot(e["tokens"][1:], e["val_loss"][1:], ls, color=colors[r["schedule"]], label=r["name"])
@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help=f"comma-separated schedules ({', '.join(SCHEDULES)})")
     p.add_argument("--runs", default=None, help="comma-separated run names to run now, in this order")
     p.add_argument("--report-only", action="store_true", help="run nothing; rebuild the table, JSON and PNG")
+    p.add_argument("--baselines", default=None,
+                   help="take the constant_512 rows from this earlier results.json (a constant batch does not "
+                        "depend on the estimator or the controller) instead of running them")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--setting", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -284,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = None if args.runs is None or args.report_only else [x.strip() for x in args.runs.split(",") if x.strip()]
     results = run_all(setting, out, max(1, args.jobs), {"-"} if args.report_only else only, names)
+    if args.baselines:
+        earlier = json.loads(Path(args.baselines).read_text())
+        if earlier.get("setting_key") != setting.key():
+            raise SystemExit(f"--baselines {args.baselines}: measured with another setting ({earlier.get('setting')!r})")
+        for row in earlier["runs"]:
+            if row["schedule"] == "constant" and row["name"] not in results:
+                results[row["name"]] = {k: v for k, v in row.items() if not k.endswith("_vs_constant_512")}
     rows = summarise(results)
     (out / "results.json").write_text(json.dumps({"setting": setting.name, "setting_key": setting.key(),
                                                    "runs": rows}, indent=1))
