@@ -5,19 +5,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.test_claims import _rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _readme_rows() -> list[list[str]]:
-    return [[c.replace("**", "") for c in row] for row in _rows("| run | LR schedule | seed | final val loss |")]
+def _readme_rows(header: str = "| run | LR schedule | seed | final val loss |") -> list[list[str]]:
+    return [[c.replace("**", "") for c in row] for row in _rows(header)]
 
 
-def test_readme_proof_table_is_what_the_script_wrote():
+@pytest.mark.parametrize(
+    ("header", "results"),
+    [("| run | LR schedule | seed | final val loss |", "proof_lr_results.json"),
+     ("| run (window estimator) | LR schedule | seed | final val loss |", "proof_lr_window_results.json")],
+)
+def test_readme_proof_table_is_what_the_script_wrote(header, results):
     runs = {(r["name"].rsplit("_seed", 1)[0], r["seed"]): r for r in json.loads(
-        (ROOT / "docs" / "proof_lr_results.json").read_text())["runs"]}
-    rows = _readme_rows()
+        (ROOT / "docs" / results).read_text())["runs"]}
+    rows = _readme_rows(header)
     assert len(rows) == len(runs)
     for row in rows:
         run = runs[(row[0], int(row[2]))]
