@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from cbs_tracker.core.intervals import INTERVAL_CONFIDENCE, fieller_interval
+from cbs_tracker.core.intervals import Z as _Z
+from cbs_tracker.core.intervals import student_quantile as _student_quantile
 from cbs_tracker.core.window import DriftWindow
 
 ESTIMATOR_STATE_VERSION = 3
-INTERVAL_CONFIDENCE = 0.90
-_Z = 1.6448536269514722  # standard normal quantile at (1 + INTERVAL_CONFIDENCE) / 2
 # Weight the steps without second moments (a state of version 1) may still hold before an
 # interval is reported again.
 _MAX_UNCOVERED_WEIGHT = 0.05
@@ -333,7 +334,6 @@ class NoiseScaleEstimator:
                 per_level=self.blocks_per_level, max_fraction=self.max_window_fraction,
                 agreement=self.agreement / _Z, extend_threshold=self.extend_threshold / _Z,
                 min_steps=self.min_steps, scale_steps=8.0,
-                quantile=lambda dof: _student_quantile(dof), fieller=fieller_interval,
             )
 
     # ------------------------------------------------------------------ results
@@ -341,11 +341,6 @@ class NoiseScaleEstimator:
     def window_steps(self) -> int | None:
         """Steps in the window the estimate now rests on (``memory="window"`` only, else ``None``)."""
         return None if self._window is None else self._window.window_steps
-
-    @property
-    def trend_used(self) -> bool:
-        """Whether the last estimate is the window's trend read now rather than its mean."""
-        return self._window is not None and self._window_estimate() is not None and bool(self._window_estimate()[2])  # type: ignore[index]
 
     def _window_estimate(self) -> tuple[float | None, tuple[float, float], bool] | None:
         if self._window is None or self._steps < self.min_steps:
@@ -735,51 +730,6 @@ class NoiseScaleEstimator:
         self._l_g, self._l_t = moments["l_g"], moments["l_t"]
         self._recent_grad_sq.extend(recent["recent_grad_sq"])
         self._recent_trace.extend(recent["recent_trace"])
-
-
-def fieller_interval(
-    num: float, den: float, var_num: float, var_den: float, cov: float, quantile: float
-) -> tuple[float, float]:
-    """Fieller's confidence interval for ``num / den``, clipped to ``[0, inf]``.
-
-    The set of ``r`` with ``(num - r den)^2 <= q^2 (var_num - 2 r cov + r^2 var_den)``
-    (Fieller 1954). When ``den`` is significant (``den^2 > q^2 var_den``) it is a
-    bounded interval; otherwise its positive part is ``[low, inf)``, with ``low > 0``
-    only where ``num`` itself is significantly positive.
-
-    Args:
-        num: numerator estimate.
-        den: denominator estimate.
-        var_num: variance of ``num``.
-        var_den: variance of ``den``.
-        cov: covariance of ``num`` and ``den``.
-        quantile: ``q``, e.g. 1.645 for a 90% two-sided interval.
-
-    Returns:
-        ``(low, high)`` with ``0 <= low <= high <= inf``.
-    """
-    q2 = quantile * quantile
-    a = den * den - q2 * var_den
-    b = num * den - q2 * cov
-    c = num * num - q2 * var_num
-    disc = max(b * b - a * c, 0.0)
-    if a > 0:
-        root = math.sqrt(disc)
-        return max((b - root) / a, 0.0), max((b + root) / a, 0.0)
-    if c <= 0 or a == 0:  # 0 (and every ratio near it) is allowed: no lower bound
-        return 0.0, math.inf
-    # a < 0 < c: the set is outside the two roots, one below 0 and one above
-    return max((b - math.sqrt(disc)) / a, 0.0), math.inf
-
-
-def _student_quantile(dof: float) -> float:
-    """Student-t quantile at ``(1 + INTERVAL_CONFIDENCE) / 2`` (Cornish-Fisher, A&S 26.7.5)."""
-    z = _Z
-    nu = max(dof, 1.0)
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    return z + g1 / nu + g2 / nu**2 + g3 / nu**3
 
 
 def _quantile(ordered: list[float], q: float) -> float:

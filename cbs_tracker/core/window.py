@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cbs_tracker.core.intervals import fieller_interval, fieller_intervals, student_quantile
+
 # The fields of a block, in order: sums over its steps with weight w = units / scale.
 # W = sum w, W2 = sum w^2, SG = sum w g, ST = sum w t, QGG/QTT/QGT = sum w^2 g g / t t / g t,
 # LG/LT = sum w^2 g / t, STEPS = steps, GX/TX = sum w g x / w t x, GXX = sum w g x^2,
@@ -27,6 +29,7 @@ import numpy as np
 _FIELDS = 15
 (W, W2, SG, ST, QGG, QTT, QGT, LG, LT, STEPS, GX, TX, GXX, W2X, W2XX) = range(_FIELDS)
 LEVEL = _FIELDS
+_STALE = object()  # estimate() not computed since the last step
 # The trend is read only where the window's |G|^2 has at most this relative standard error.
 TREND_MAX_REL_SE = 0.2
 
@@ -111,42 +114,12 @@ def trend_fit(acc: Sequence[float], x0: float) -> tuple[float, float, float] | N
     return b0, math.sqrt(max(var, 0.0)), max(n_eff - 2.0, 1.0)
 
 
-_Z = 1.6448536269514722  # standard normal quantile at 0.95
-
-
-def _t_quantiles(dof: np.ndarray) -> np.ndarray:
-    """Student-t quantiles at 0.95 for an array of degrees of freedom (Cornish-Fisher, A&S 26.7.5)."""
-    z = _Z
-    nu = np.maximum(dof, 1.0)
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    return z + g1 / nu + g2 / nu**2 + g3 / nu**3
-
-
-def _fieller_arrays(num, den, var_num, var_den, cov, q):  # noqa: ANN001, ANN202
-    """Fieller's interval (as ``estimator.fieller_interval``) for arrays of ratios."""
-    q2 = q * q
-    a = den * den - q2 * var_den
-    b = num * den - q2 * cov
-    c = num * num - q2 * var_num
-    root = np.sqrt(np.maximum(b * b - a * c, 0.0))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lower = np.maximum((b - root) / a, 0.0)
-        upper = np.maximum((b + root) / a, 0.0)
-    bounded = a > 0
-    unbounded_low = ~bounded & ((c <= 0) | (a == 0))
-    low = np.where(bounded, lower, np.where(unbounded_low, 0.0, lower))
-    high = np.where(bounded, upper, np.inf)
-    return low, high
-
-
 def _candidate_intervals(sums: np.ndarray, position: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
     """The interval of every candidate window at once (rows of ``sums``); NaN where there is none.
 
-    The same choice as :meth:`DriftWindow._interval`: the trend's Wald interval where
-    :meth:`DriftWindow._trend` would use it, else Fieller's interval of the means,
-    both widened to ``scale`` times the 90% quantile.
+    The trend's Wald interval where :meth:`DriftWindow._trend` would use it, else
+    Fieller's interval of the means (:func:`level_moments`), both widened to ``scale``
+    times the 90% quantile.
     """
     w, w2 = sums[:, W], sums[:, W2]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -157,7 +130,7 @@ def _candidate_intervals(sums: np.ndarray, position: float, scale: float) -> tup
         v_gg = np.maximum(sums[:, QGG] - 2 * g * sums[:, LG] + g * g * w2, 0.0) * norm
         v_tt = np.maximum(sums[:, QTT] - 2 * t * sums[:, LT] + t * t * w2, 0.0) * norm
         v_gt = (sums[:, QGT] - g * sums[:, LT] - t * sums[:, LG] + g * t * w2) * norm
-        low, high = _fieller_arrays(t, g, v_tt, v_gg, v_gt, scale * _t_quantiles(n_eff - 1.0))
+        low, high = fieller_intervals(t, g, v_tt, v_gg, v_gt, scale * student_quantile(n_eff - 1.0))
         # the trend, where the window's |G|^2 is known to TREND_MAX_REL_SE
         x0 = position
         a = sums[:, SG]
@@ -174,7 +147,7 @@ def _candidate_intervals(sums: np.ndarray, position: float, scale: float) -> tup
         s01 = sums[:, W2X] - x0 * w2
         s11 = sums[:, W2XX] - 2 * x0 * sums[:, W2X] + x0 * x0 * w2
         se = np.sqrt(np.maximum(rho * (d * d * w2 - 2 * d * b * s01 + b * b * s11) / (det * det), 0.0))
-        half = scale * _t_quantiles(np.maximum(n_eff - 2.0, 1.0)) * se
+        half = scale * student_quantile(np.maximum(n_eff - 2.0, 1.0)) * se
         low = np.where(trend, b0 - half, low)
         high = np.where(trend, b0 + half, high)
     low = np.where(ok, low, np.nan)
@@ -195,28 +168,23 @@ class DriftWindow:
             ``t - B g`` is within this many standard errors (90% quantile scale) of 0.
         min_steps: the shortest window.
         scale_steps: memory in steps of the small-norm average each step's weight is divided by.
-        interval: a function ``(dof) -> quantile`` for the reported 90% intervals.
-        fieller: Fieller's interval ``(num, den, var_num, var_den, cov, q) -> (low, high)``.
     """
 
     def __init__(self, *, per_level: int, max_fraction: float, agreement: float,
-                 extend_threshold: float, min_steps: int, scale_steps: float,
-                 quantile, fieller) -> None:  # noqa: ANN001
+                 extend_threshold: float, min_steps: int, scale_steps: float) -> None:
         self.per_level = per_level
         self.max_fraction = max_fraction
         self.agreement = agreement
         self.extend_threshold = extend_threshold
         self.min_steps = min_steps
         self.scale_steps = scale_steps
-        self._quantile = quantile
-        self._fieller = fieller
         self.blocks: list[list[float]] = []
         self.scale: float | None = None
         self.position = 0.0
         self.steps = 0
         self.window: list[float] | None = None
         self.extended = False
-        self._cached: tuple | None = None  # estimate() of the current window
+        self._cached: object = _STALE  # estimate() of the current window
 
     # ------------------------------------------------------------------ update
     def add(self, grad_sq: float, trace: float, units: float, small_sq_norm: float) -> None:
@@ -232,7 +200,7 @@ class DriftWindow:
         self.steps += 1
         self._compact()
         self._choose()
-        self._cached = None
+        self._cached = _STALE
 
     def _compact(self) -> None:
         blocks, level = self.blocks, 0.0
@@ -258,27 +226,18 @@ class DriftWindow:
             return None
         return trend_fit(acc, self.position)
 
-    def _interval(self, acc: Sequence[float], scale: float) -> tuple[float, float] | None:
-        fit = self._trend(acc)
-        if fit is not None:
-            b0, se, dof = fit
-            q = scale * self._quantile(dof)
-            return b0 - q * se, b0 + q * se
-        m = level_moments(acc)
-        if m is None:
-            return None
-        q = scale * self._quantile(m.effective_steps - 1.0)
-        return self._fieller(m.trace_cov, m.grad_sq_norm, m.var_trace, m.var_grad_sq, m.cov, q)
-
     def _bounded(self, acc: Sequence[float]) -> bool:
         m = level_moments(acc)
         if m is None or not m.grad_sq_norm > 0:
             return False
-        q = self._quantile(m.effective_steps - 1.0)
+        q = student_quantile(m.effective_steps - 1.0)
         return m.grad_sq_norm**2 > q * q * m.var_grad_sq
 
     def _choose(self) -> None:
-        """Choose the window (vectorised over the candidates; :meth:`_choose_reference` is the plain loop)."""
+        """Choose the window, every candidate (newest blocks first) priced at once.
+
+        A plain loop over the candidates is the reference in ``tests/test_estimator.py``.
+        """
         newest_first = np.asarray(self.blocks, dtype=float)[::-1, :_FIELDS]
         sums = np.cumsum(newest_first, axis=0)  # sums[j]: the newest j + 1 blocks
         steps = sums[:, STEPS]
@@ -315,36 +274,9 @@ class DriftWindow:
         rho = max(chosen[QTT] - 2 * ratio * chosen[QGT] + ratio * ratio * chosen[QGG], 0.0) / chosen[W2]
         gap = (older[ST] - ratio * older[SG]) / older[W]
         var = rho * (older[W2] / older[W] ** 2 + chosen[W2] / chosen[W] ** 2)
-        q = self.extend_threshold * self._quantile(chosen[STEPS] - 1.0)
+        q = self.extend_threshold * student_quantile(chosen[STEPS] - 1.0)
         if gap * gap <= q * q * var:
             self.window, self.extended = total, True
-
-    def _choose_reference(self) -> None:
-        """The window choice as a plain loop over the candidates, newest first (the slow reference)."""
-        acc = [0.0] * _FIELDS
-        low, high = -math.inf, math.inf
-        chosen: list[float] | None = None
-        newest_first = self.blocks[::-1]
-        capped = False
-        limit = self.max_fraction * self.steps
-        for block in newest_first:
-            if acc[STEPS] >= self.min_steps and acc[STEPS] + block[STEPS] > limit:
-                capped = True
-                break
-            _add(acc, block)
-            if acc[STEPS] < self.min_steps:
-                continue
-            interval = self._interval(acc, self.agreement)
-            if interval is None:
-                continue
-            if interval[0] > high or interval[1] < low:
-                break
-            low, high = max(low, interval[0]), min(high, interval[1])
-            chosen = list(acc)
-        total = [0.0] * _FIELDS
-        for block in self.blocks:
-            _add(total, block)
-        self._settle(chosen, capped, total)
 
     # ------------------------------------------------------------------ results
     @property
@@ -369,9 +301,9 @@ class DriftWindow:
 
     def estimate(self) -> tuple[float | None, tuple[float, float], bool] | None:
         """See :meth:`_estimate`; computed once per step."""
-        if self._cached is None:
-            self._cached = (self._estimate(),)
-        return self._cached[0]
+        if self._cached is _STALE:
+            self._cached = self._estimate()
+        return self._cached  # type: ignore[return-value]
 
     def _estimate(self) -> tuple[float | None, tuple[float, float], bool] | None:
         """``(ratio of the means or None, 90% interval, trend used)``, or ``None`` without a window.
@@ -388,8 +320,8 @@ class DriftWindow:
                 return None
             g, t = means
             return (max(t, 0.0) / g if g > 0 else None), (0.0, math.inf), False
-        q = self._quantile(m.effective_steps - 1.0)
-        low, high = self._fieller(m.trace_cov, m.grad_sq_norm, m.var_trace, m.var_grad_sq, m.cov, q)
+        q = student_quantile(m.effective_steps - 1.0)
+        low, high = fieller_interval(m.trace_cov, m.grad_sq_norm, m.var_trace, m.var_grad_sq, m.cov, q)
         ratio = None
         if m.grad_sq_norm > 0:
             ratio = 0.0
@@ -403,7 +335,7 @@ class DriftWindow:
         if fit is None:
             return ratio, (low, high), False
         b0, se, dof = fit
-        qt = self._quantile(dof)
+        qt = student_quantile(dof)
         t_low, t_high = max(b0 - qt * se, 0.0), max(b0 + qt * se, 0.0)
         if ratio is None or not t_low <= ratio <= t_high:
             return max(b0, 0.0), (t_low, t_high), True
@@ -443,6 +375,6 @@ class DriftWindow:
     def load(self, blocks: list[list[float]], scale: float | None, position: float, steps: int) -> None:
         """Assign a checked state and choose the window again."""
         self.blocks, self.scale, self.position, self.steps = blocks, scale, position, steps
-        self.window, self.extended, self._cached = None, False, None
+        self.window, self.extended, self._cached = None, False, _STALE
         if blocks:
             self._choose()
