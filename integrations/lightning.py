@@ -27,7 +27,7 @@ from torch import nn
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
-from cbs_tracker.core.measure import reduce_window, unscale_and_get_scale
+from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
@@ -55,6 +55,15 @@ class CBSCallback(Callback):
         rescale_short_window: multiply the gradient of a short last window of an epoch
             (``K < A`` microbatches, each divided by ``A`` by Lightning) by ``A / K`` before
             clipping and the step. Default ``False`` (the window is measured right either way).
+            With ``loss_normalization="mean"`` only.
+        loss_normalization: what ``training_step`` returns, before Lightning divides it by
+            ``accumulate_grad_batches`` (a division the tracker undoes in every mode).
+            ``"mean"`` (default): the mean loss of the microbatch. ``"window"``: the sum of
+            its units' losses divided by the units of this rank's whole window (as the
+            Hugging Face ``Trainer`` does with ``num_items_in_batch``; padded microbatches
+            then weigh every token alike). ``"group"``: divided by the window's units on all
+            data-parallel ranks, times their number. ``batch_size_fn`` must count the units
+            the loss counts (:func:`label_tokens`).
         preconditioner: ``None`` or ``"adam"``: measure ``g / (sqrt(v_hat) + eps)``.
         estimator: a configured :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`.
         process_group: the data-parallel group (default: all ranks of the run).
@@ -90,6 +99,7 @@ class CBSCallback(Callback):
         batch_size_fn: BatchSizeFn | None = None,
         unit: Unit | None = None,
         rescale_short_window: bool = False,
+        loss_normalization: str = "mean",
         preconditioner: Literal["adam"] | None = None,
         estimator: NoiseScaleEstimator | None = None,
         process_group: Any | None = None,
@@ -137,6 +147,12 @@ class CBSCallback(Callback):
             raise ValueError(f"CBSCallback(unit={unit!r}): must be 'tokens', 'samples' or None")
         if not isinstance(rescale_short_window, bool):
             raise TypeError(f"CBSCallback(rescale_short_window={rescale_short_window!r}): expected True or False")
+        if loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"CBSCallback(loss_normalization={loss_normalization!r}): must be one of {LOSS_NORMALIZATIONS} "
+                "('mean': training_step returns the microbatch's mean loss; 'window': its summed unit losses "
+                "over this rank's window units; 'group': over the window units of all ranks)"
+            )
         if preconditioner not in (None, "adam"):
             raise ValueError(f"CBSCallback(preconditioner={preconditioner!r}): must be None or 'adam'")
         if isinstance(estimator, type) or (estimator is not None and not callable(getattr(estimator, "update", None))):
@@ -167,7 +183,8 @@ class CBSCallback(Callback):
         self.observe_only = observe_only
         self.batch_size_fn: BatchSizeFn = batch_size_fn if batch_size_fn is not None else leading_dim
         self.unit: Unit = unit
-        self.rescale_short_window = rescale_short_window
+        self.rescale_short_window = rescale_short_window and loss_normalization == "mean"
+        self.loss_normalization = loss_normalization
         self.preconditioner = preconditioner
         self.estimator = estimator if estimator is not None else NoiseScaleEstimator()
         self.process_group = process_group
@@ -431,6 +448,7 @@ class CBSCallback(Callback):
             self._params,
             dp_group=self.dp_group,
             loss_divisor=float(divisor),
+            normalization=self.loss_normalization,
             avg_ranks=self._avg_ranks,
             scale=self._loss_scale(trainer, optimizer),
             transform=self._transform,

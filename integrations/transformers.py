@@ -148,7 +148,7 @@ class CBSTrainer(Trainer):
         self._window: list[Any] = []  # per-microbatch sizes of the fetched window
         self._window_index = 0
         self._window_setting = self._starting_accumulation
-        self._window_ratio: torch.Tensor | None = None
+        self._units_divisor: torch.Tensor | float | None = None
         self._logged_step = 0
 
     # ------------------------------------------------------------------ public state
@@ -331,7 +331,7 @@ class CBSTrainer(Trainer):
         self._window_index = 0
         self._window_setting = setting
         self._epoch_pos += len(batches)
-        self._window_ratio = self._normalisation(num_items)
+        self._units_divisor = self._normalisation(num_items)
         return batches, num_items
 
     def _next_window(self) -> int:
@@ -397,22 +397,27 @@ class CBSTrainer(Trainer):
             config, "is_encoder_decoder", False
         )
 
-    def _normalisation(self, num_items: Any) -> torch.Tensor | None:
-        """``N / (c U)``: items the loss is divided by over the units this rank's window really has.
+    def _normalisation(self, num_items: Any) -> Any:
+        """``D``, the units each microbatch's summed loss is divided by, or ``None`` for a mean loss.
 
         Mirrors ``Trainer.training_step``/``compute_loss``: a loss normalised by
         ``num_items_in_batch`` is ``sum of unit losses / N``, times ``c`` ranks with
-        ``average_tokens_across_devices``; otherwise it is a mean divided by the window's
-        microbatches (``None`` here).
+        ``average_tokens_across_devices`` (``N`` then counts every rank's window), so
+        ``D = N / c``; otherwise it is a mean divided by the window's microbatches. Kept
+        as the Trainer gave it (a tensor stays on its device: no host sync).
         """
         by_items = self.loss_is_scaled_for_ga
         if by_items is None:
             by_items = (self.model_accepts_loss_kwargs and num_items is not None) or self.compute_loss_func is not None
         if not by_items or num_items is None or not self._window:
             return None
-        ranks = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
-        units = sum(torch.as_tensor(s, dtype=torch.float64) for s in self._window)
-        return torch.as_tensor(num_items).double().reshape(()) / (ranks * units)
+        ranks = 1
+        if self.args.average_tokens_across_devices:
+            tp = self.get_tp_size() if hasattr(self, "get_tp_size") else 1
+            ranks = self.accelerator.num_processes // tp
+        if isinstance(num_items, torch.Tensor):
+            return num_items.double().reshape(()) / ranks
+        return float(num_items) / ranks
 
     # ------------------------------------------------------------------ microbatches and steps
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -432,16 +437,24 @@ class CBSTrainer(Trainer):
         session, collector = self.session, self._collector
         assert session is not None and collector is not None
         k = len(self._window)
-        # h_k = g_k / a: the Trainer divides a mean loss by K, or a unit-sum loss by N / c
-        divisor = float(k) if self._window_ratio is None else float(self._window_ratio) * k
+        # The Trainer divides a mean loss by K, or each microbatch's unit-sum loss by D = N / c
+        # (then h_k = (b_k / D) g_k: each microbatch weighted by its units).
+        if self._units_divisor is None:
+            norm: dict[str, Any] = dict(loss_divisor=float(k))
+        else:
+            norm = dict(loss_divisor=1.0, normalization="window", units_divisor=self._units_divisor)
         scaler = getattr(self.accelerator, "scaler", None)
+        scale = None
         if scaler is not None and scaler.is_enabled():
             # not unscaled yet (the Trainer unscales when it clips): the loss scale S is in the
-            # hooked gradients and in .grad alike, so it is removed from both by a / S
-            divisor /= float(scaler.get_scale())
+            # hooked gradients and in .grad alike, removed from both (read without a host sync)
+            get_async = getattr(scaler, "_get_scale_async", None)
+            scale = get_async() if get_async is not None else None
+            if scale is None:
+                scale = torch.tensor(float(scaler.get_scale()))
         stats, faults = reduce_window(
-            collector, self._params, dp_group=None, loss_divisor=divisor, avg_ranks=self._avg_ranks,
-            transform=self._transform, expected_microbatches=k,
+            collector, self._params, dp_group=None, avg_ranks=self._avg_ranks, transform=self._transform,
+            expected_microbatches=k, scale=scale, big_is_scaled=scale is not None, **norm,
         )
         collector.reset_window()
         session.finish_step(stats, faults, window_accumulation=self._window_setting, mismatch_is_fatal=True)

@@ -222,7 +222,8 @@ def test_host_window_sums_equal_the_device_form():
     collector = _window_with_every_kind_of_size()
     host = collector.host_window_sums()
     assert host == pytest.approx(collector.window_sums(torch.device("cpu")).tolist(), rel=1e-15)
-    assert host == pytest.approx([28.0, 3, 1 / 4 + 1 / 8 + 1 / 2, 14.0, 3], rel=1e-15)
+    per_unit = 2 / 4**2 + 7 / 8**2 + 19 / 2**2
+    assert host == pytest.approx([28.0, 3, 1 / 4 + 1 / 8 + 1 / 2, 14.0, 3, per_unit], rel=1e-15)
 
 
 def test_held_bytes_stay_within_the_bucket_bound():
@@ -329,12 +330,13 @@ def _window_with_every_kind_of_size() -> GradStatsCollector:
 def test_window_sums_leave_out_empty_microbatches_and_count_invalid_sizes():
     collector = _window_with_every_kind_of_size()
     out = collector.window_sums(torch.device("cpu"))
-    assert out.dtype == torch.float64 and out.shape == (5,)
+    assert out.dtype == torch.float64 and out.shape == (6,)
     valid = [(2.0, 4.0), (7.0, 8.0), (19.0, 2.0)]  # size 0 is left out; nan, -1 and inf are invalid
-    expected = [sum(s for s, _ in valid), 3, sum(1 / b for _, b in valid), sum(b for _, b in valid), 3]
+    expected = [sum(s for s, _ in valid), 3, sum(1 / b for _, b in valid), sum(b for _, b in valid), 3,
+                sum(s / b**2 for s, b in valid)]
     assert out.tolist() == pytest.approx(expected, rel=1e-12)
     collector.reset_window()
-    assert collector.window_sums(torch.device("cpu")).tolist() == [0.0] * 5
+    assert collector.window_sums(torch.device("cpu")).tolist() == [0.0] * 6
 
 
 def test_hook_counts_inside_and_outside_microbatches():

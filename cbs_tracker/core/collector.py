@@ -49,6 +49,10 @@ class StepStats:
         big_sq_norm: ``|mean_k g_k|^2``, the squared norm of the step's mean gradient.
         num_microbatches: ``K``, microbatches in the step over all DP ranks.
         small_batch: harmonic mean of the microbatch sizes (``B_small``), in the unit.
+        big_batch: the effective size of the step's mean gradient (``B_big``), in the unit:
+            ``E|mean|^2 = |G|^2 + tr(Sigma)/B_big``. ``K * B_small`` when every microbatch
+            carries the same weight (a mean loss divided by the accumulation), the window's
+            units when each microbatch's summed loss is divided by the window's units.
         units: plain sum of the microbatch sizes (the step's global batch), in the unit.
         finite: every rank's gradients were finite.
         synced_sq_norm: ``|.grad|^2`` of the synced (and unscaled) step gradient as it
@@ -60,14 +64,10 @@ class StepStats:
     big_sq_norm: float
     num_microbatches: int
     small_batch: float
+    big_batch: float
     units: float
     finite: bool
     synced_sq_norm: float = math.nan
-
-    @property
-    def big_batch(self) -> float:
-        """``B_big = K * B_small``."""
-        return self.num_microbatches * self.small_batch
 
 
 class AdamPreconditioner:
@@ -433,7 +433,7 @@ class GradStatsCollector:
         return list(self._micro_sq)
 
     def window_sums(self, device: torch.device) -> torch.Tensor:
-        """This rank's window as ``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid]``, float64 on ``device``.
+        """This rank's window as ``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2]``, float64 on ``device``.
 
         ``h_k`` are the hooked gradients as the backward produced them (loss
         division and AMP scale still in), ``b_k`` the sizes given to
@@ -442,10 +442,12 @@ class GradStatsCollector:
         is left out of all of them alike, so it neither counts as a microbatch
         nor adds a zero norm. ``invalid`` counts the microbatches whose size was
         negative, NaN or infinite (also left out); the caller raises on it after
-        its reduction. Checked on the device, without a host sync.
+        its reduction. The last sum serves losses normalised by units (a microbatch's
+        hooked gradient proportional to its units). Checked on the device, without a
+        host sync.
         """
         if not self._micro_sq:
-            return torch.zeros(5, dtype=torch.float64, device=device)
+            return torch.zeros(6, dtype=torch.float64, device=device)
         sq = _stack_float64(self._micro_sq, device)
         if all(not isinstance(v, torch.Tensor) for v in self._micro_size):
             size = torch.tensor(self._micro_size, dtype=torch.float64, device=device)
@@ -457,10 +459,11 @@ class GradStatsCollector:
             )
         ok = (size >= 0) & (size < math.inf)  # finite and >= 0: nan fails both comparisons
         valid = ok & (size > 0)
-        cols = torch.stack([sq, torch.ones_like(size), size.reciprocal(), size], dim=1)
+        inv = size.reciprocal()
+        cols = torch.stack([sq, torch.ones_like(size), inv, size, sq * inv * inv], dim=1)
         sums = torch.where(valid.unsqueeze(1), cols, 0.0).sum(0)
         invalid = (~ok).sum(dtype=torch.float64)
-        return torch.cat([sums, invalid.reshape(1)])
+        return torch.cat([sums[:4], invalid.reshape(1), sums[4:]])
 
     def host_window_sums(self) -> list[float] | None:
         """:meth:`window_sums` as Python floats when every value already lives on the host.
@@ -469,7 +472,7 @@ class GradStatsCollector:
         costs less than the dozen small tensor operators of :meth:`window_sums`.
         Returns ``None`` when a norm or a size lives on an accelerator.
         """
-        total_sq = count = inv_sum = units = invalid = 0.0
+        total_sq = count = inv_sum = units = invalid = per_unit_sq = 0.0
         for sq, size in zip(self._micro_sq, self._micro_size, strict=True):
             if sq.device.type != "cpu":
                 return None
@@ -481,11 +484,13 @@ class GradStatsCollector:
             if not (math.isfinite(b) and b >= 0.0):
                 invalid += 1.0
             elif b > 0.0:
-                total_sq += sq.item()
+                v = sq.item()
+                total_sq += v
                 count += 1.0
                 inv_sum += 1.0 / b
                 units += b
-        return [total_sq, count, inv_sum, units, invalid]
+                per_unit_sq += v / (b * b)
+        return [total_sq, count, inv_sum, units, invalid, per_unit_sq]
 
     def reset_window(self) -> None:
         self._micro_sq = []

@@ -18,7 +18,7 @@ from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
-from cbs_tracker.core.measure import reduce_window, unscale_and_get_scale
+from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 
@@ -42,7 +42,18 @@ class LoopTracker:
         device_mesh: alternatively, a ``DeviceMesh`` whose ``mesh_dim`` is data-parallel.
         mesh_dim: the DP dimension name(s) of ``device_mesh``.
         loss_divided_by_accumulation: the loop divides each microbatch loss by
-            ``tracker.accumulation_steps`` (default ``True``).
+            ``tracker.accumulation_steps`` (default ``True``; with
+            ``loss_normalization="mean"`` only).
+        loss_normalization: how each microbatch's loss is normalised. ``"mean"``
+            (default): the mean over its own units (then divided by the accumulation,
+            see above). ``"window"``: the sum of its units' losses divided by the units
+            of this rank's whole window (the Hugging Face ``Trainer``'s
+            ``num_items_in_batch``; padded batches weigh every token alike). ``"group"``:
+            the sum divided by the window's units on all data-parallel ranks, times the
+            ranks the sync averages over (the synced gradient is the mean over every unit
+            of the step). With either of the last two, the sizes given to
+            :meth:`microbatch` must be the units the loss counts; the loop fetches the
+            window first to know its count before the first backward.
         grads_averaged_over_ranks: the gradient sync averages over the DP ranks (DDP
             and FSDP do); ``None`` (default) means yes whenever there is more than one rank.
         grad_scaler: a ``torch.amp.GradScaler``; :meth:`step` unscales the optimizer's
@@ -82,6 +93,7 @@ class LoopTracker:
         device_mesh: Any | None = None,
         mesh_dim: str | tuple[str, ...] | None = None,
         loss_divided_by_accumulation: bool = True,
+        loss_normalization: str = "mean",
         grads_averaged_over_ranks: bool | None = None,
         grad_scaler: Any | None = None,
         preconditioner: Literal["adam"] | None = None,
@@ -104,12 +116,19 @@ class LoopTracker:
             raise TypeError(f"{name}(grad_scaler={type(grad_scaler).__name__}): expected a torch.amp.GradScaler")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"{name}(ignore_index={ignore_index!r}): expected an int")
+        if loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"{name}(loss_normalization={loss_normalization!r}): must be one of {LOSS_NORMALIZATIONS} "
+                "('mean': each microbatch loss is its own mean; 'window': summed over its units and divided "
+                "by this rank's window units; 'group': divided by the window units of all ranks)"
+            )
 
         self.model = model
         self.optimizer = optimizer
         self.ignore_index = ignore_index
         self.grad_scaler = grad_scaler
         self.loss_divided_by_accumulation = bool(loss_divided_by_accumulation)
+        self.loss_normalization = loss_normalization
         self.dp_group = cbs_dist.resolve_dp_group(process_group, device_mesh, mesh_dim)
         dp_degree = cbs_dist.group_size(self.dp_group)
         self.session = TrackingSession(
@@ -370,7 +389,8 @@ class LoopTracker:
                 "scale is wrong. Run every backward inside microbatch().",
             )
         scale = self._loss_scale()
-        divisor = float(self._window_divisor) if self.loss_divided_by_accumulation else 1.0
+        mean = self.loss_normalization == "mean"
+        divisor = float(self._window_divisor) if mean and self.loss_divided_by_accumulation else 1.0
         stats, faults = reduce_window(
             self.collector,
             self._big_params(),
@@ -381,6 +401,7 @@ class LoopTracker:
             transform=self._transform,
             big_norm_is_sharded=self.big_norm_is_sharded,
             expected_microbatches=self._window_divisor,
+            normalization=self.loss_normalization,
         )
         self.collector.reset_window()
         self._window_index = 0

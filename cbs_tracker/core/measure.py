@@ -61,6 +61,14 @@ class WindowFaults:
     microbatches_run: int = 0
 
 
+#: How each microbatch's loss was normalised (what its hooked gradient carries, besides the
+#: constant ``loss_divisor``): ``"mean"``, its own mean over its units; ``"window"``, its
+#: summed unit losses over the units of this rank's window; ``"group"``, its summed unit
+#: losses over the units of the window on all ranks, times the ranks the sync averages over
+#: (so the synced gradient is the mean over every unit of the step).
+LOSS_NORMALIZATIONS = ("mean", "window", "group")
+
+
 def reduce_window(
     collector: GradStatsCollector,
     big_params: Iterable[nn.Parameter],
@@ -72,22 +80,30 @@ def reduce_window(
     transform: GradTransform | None = None,
     big_norm_is_sharded: bool = False,
     expected_microbatches: int | None = None,
+    normalization: str = "mean",
+    units_divisor: torch.Tensor | float | None = None,
+    big_is_scaled: bool = False,
 ) -> tuple[StepStats, WindowFaults]:
     """One optimizer step's norms on one scale, reduced over the DP group.
 
-    The hooked microbatch gradients are ``h_k = S g_k / a`` (``S`` the AMP loss scale,
-    ``a = loss_divisor`` the factor each microbatch loss was divided by) and the
-    synced, unscaled ``.grad`` is ``sum_k g_k / (a R)`` over the ``K`` microbatches of
-    all ranks (``R = avg_ranks`` when the sync averages). So
-    ``|g_k|^2 = |h_k|^2 a^2 / S^2`` and ``|mean_k g_k|^2 = |.grad|^2 (R a / K)^2``, with
-    ``K`` the microbatches really run (a short window is measured with its real size).
-    One ``all_reduce`` of 10 float64 numbers and one host sync.
+    Each hooked microbatch gradient is ``h_k = S c_k g_k``: ``g_k`` the mean gradient of its
+    own ``b_k`` units, ``S`` the AMP loss scale and ``c_k`` the weight the loss
+    normalisation gave it: ``1/a`` for a mean loss divided by ``a = loss_divisor``, and
+    ``b_k/(D a)`` for a summed unit loss divided by ``D`` (the window's units). So
+    ``|g_k|^2 = |h_k|^2 / (S c_k)^2`` whatever the normalisation. The synced, unscaled
+    ``.grad`` is ``sum_k c_k g_k / R`` over the microbatches of all ranks (``R =
+    avg_ranks`` when the sync averages): the step's mean gradient is ``.grad R / C`` with
+    ``C = sum_k c_k``, whose noise is that of ``B_big = C^2 / sum_k (c_k^2 / b_k)`` units
+    (``K B_small`` for equal weights; the window's units for unit-normalised losses;
+    ``R`` times the harmonic mean of the ranks' units when each rank divides by its own).
+    ``K`` is the microbatches really run (a short window is measured with its real size).
+    One ``all_reduce`` of 12 float64 numbers and one host sync.
 
     Args:
         collector: the window's per-microbatch norms (not reset here).
-        big_params: parameters whose ``.grad`` holds the synced, unscaled step gradient.
+        big_params: parameters whose ``.grad`` holds the synced step gradient.
         dp_group: the data-parallel group (``None``: world, or no distribution).
-        loss_divisor: ``a`` (1.0: not divided).
+        loss_divisor: ``a``, a constant every microbatch loss was divided by (1.0: none).
         avg_ranks: ``R``, ranks the gradient sync averages over (1: it sums, or one rank).
         scale: the AMP loss scale the hooked gradients carry (``None``: none).
         transform: the collector's gradient transform, applied to ``.grad`` as well.
@@ -95,10 +111,21 @@ def reduce_window(
             rather than a replica (take rank 0's).
         expected_microbatches: microbatches this rank's window should have run; a rank
             that ran another non-zero number is counted in ``WindowFaults.mismatched_ranks``.
+        normalization: one of :data:`LOSS_NORMALIZATIONS`.
+        units_divisor: with ``normalization="window"``, the ``D`` this rank divided by when
+            it differs from the sum of the sizes given to the collector (a number or a 0-d
+            tensor, left on its device; the Trainer's ``num_items_in_batch`` over its rank
+            factor).
+        big_is_scaled: ``.grad`` still carries the loss scale ``S`` (not unscaled yet).
 
     Returns:
         The reduced :class:`~cbs_tracker.core.collector.StepStats` and :class:`WindowFaults`.
+
+    Raises:
+        ValueError: an unknown ``normalization``.
     """
+    if normalization not in LOSS_NORMALIZATIONS:
+        raise ValueError(f"reduce_window(normalization={normalization!r}): must be one of {LOSS_NORMALIZATIONS}")
     big = local_grad_sq_norm(big_params, transform)
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)
@@ -111,69 +138,96 @@ def reduce_window(
     ]
     if big is not None and not (big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0):
         big = None  # a replica: one rank reports the big norm
-    factor = float(loss_divisor) ** 2  # h_k = S g_k / a, so |g_k|^2 = |h_k|^2 a^2 / S^2
-    if device.type == "cpu" and ref.device.type == "cpu" and (scale is None or scale.device.type == "cpu"):
-        host = collector.host_window_sums()
-        if host is not None:
-            return _reduce_on_host(host, big, flags, factor=factor, scale=scale, dp_group=dp_group,
-                                   avg_ranks=avg_ranks, loss_divisor=loss_divisor)
+    a = float(loss_divisor)
+    group = normalization == "group"
+    on_host = (
+        device.type == "cpu" and ref.device.type == "cpu"
+        and all(t is None or not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in (scale, units_divisor))
+    )
+    host = collector.host_window_sums() if on_host else None
+    if host is not None:
+        s1, k, inv_b, units, invalid, s2 = host
+        if normalization == "mean":
+            small, c, q = s1 * a * a, k / a, inv_b / (a * a)
+        else:
+            d = 1.0 if group else (units if units_divisor is None else float(units_divisor))
+            d = d if units > 0 else 1.0  # nothing ran: every sum is 0 anyway
+            small, c, q = s2 * (d * a) ** 2, units / (d * a), units / (d * a) ** 2
+        if scale is not None:
+            s_sq = float(scale) ** 2  # a loss scale that decayed to 0 makes the step non-finite, as on a device
+            small = small / s_sq if s_sq > 0 else math.nan
+            if big is not None and big_is_scaled:
+                big_val = big.item() / s_sq if s_sq > 0 else math.nan
+            else:
+                big_val = 0.0 if big is None else big.item()
+        else:
+            big_val = 0.0 if big is None else big.item()
+        finite = all(math.isfinite(v) for v in (small, big_val, c, q))
+        unmeasurable, mismatched, ran = flags
+        values = [
+            small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
+            0.0 if finite else 1.0, unmeasurable, mismatched, invalid, ran,
+            c if finite else 0.0, q if finite else 0.0,
+        ]
+        if cbs_dist.is_distributed() and cbs_dist.group_size(dp_group) > 1:
+            values = cbs_dist.all_reduce_sum(torch.tensor(values, dtype=torch.float64), dp_group).tolist()
+        return _step_stats(values, avg_ranks=avg_ranks, group=group)
     # On an accelerator every operator below is a launch: the vector is built in about a dozen.
-    sums = collector.window_sums(device)  # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid]
-    small = sums[:1] * factor
-    if scale is not None:
-        small = small / scale.to(device=device, dtype=torch.float64).square()
-    if big is None:
-        big_val = torch.zeros(1, dtype=torch.float64, device=device)
+    sums = collector.window_sums(device)  # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2]
+    if normalization == "mean":
+        wsum = torch.stack([sums[0] * (a * a), sums[1] / a, sums[2] / (a * a)])
     else:
-        big_val = big.reshape(1).to(device=device, dtype=torch.float64)
-    pair = torch.cat([small, big_val])
-    nonfinite = (pair - pair).ne(0).any(0, keepdim=True)  # x - x is nan exactly for inf and nan
-    pair = pair.masked_fill(nonfinite, 0.0)
-    flag_vec = torch.tensor(flags, dtype=torch.float64, device=device)
-    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran]
-    vec = torch.cat([pair[:1], sums[1:4], pair[1:], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:]])
-    vec = cbs_dist.all_reduce_sum(vec, dp_group)
-    return _step_stats(vec.tolist(), avg_ranks=avg_ranks, loss_divisor=loss_divisor)  # one host sync
-
-
-def _reduce_on_host(
-    sums: list[float],
-    big: torch.Tensor | None,
-    flags: list[float],
-    *,
-    factor: float,
-    scale: torch.Tensor | None,
-    dp_group: Any | None,
-    avg_ranks: int,
-    loss_divisor: float,
-) -> tuple[StepStats, WindowFaults]:
-    """:func:`reduce_window`'s vector with every number on the host (CPU training, gloo): floats, not tensors."""
-    small_sum = sums[0] * factor
+        units = sums[3]
+        if group:
+            d = torch.ones((), dtype=torch.float64, device=device)
+        elif units_divisor is None:
+            d = torch.where(units > 0, units, 1.0)
+        else:
+            d = torch.as_tensor(units_divisor).to(device=device, dtype=torch.float64).reshape(())
+            d = torch.where(units > 0, d, 1.0)
+        da = d * a
+        wsum = torch.stack([sums[5] * da.square(), units / da, units / da.square()])
+    if big is None:
+        big_val = torch.zeros((), dtype=torch.float64, device=device)
+    else:
+        big_val = big.reshape(()).to(device=device, dtype=torch.float64)
     if scale is not None:
-        s2 = float(scale) ** 2  # a loss scale that decayed to 0 makes the step non-finite, as on a device
-        small_sum = small_sum / s2 if s2 > 0 else math.nan
-    big_val = 0.0 if big is None else big.item()
-    finite = math.isfinite(small_sum) and math.isfinite(big_val)
-    unmeasurable, mismatched, ran = flags
-    values = [
-        small_sum if finite else 0.0, sums[1], sums[2], sums[3], big_val if finite else 0.0,
-        0.0 if finite else 1.0, unmeasurable, mismatched, sums[4], ran,
-    ]
-    if cbs_dist.is_distributed() and cbs_dist.group_size(dp_group) > 1:
-        values = cbs_dist.all_reduce_sum(torch.tensor(values, dtype=torch.float64), dp_group).tolist()
-    return _step_stats(values, avg_ranks=avg_ranks, loss_divisor=loss_divisor)
+        s_sq = scale.to(device=device, dtype=torch.float64).square()
+        wsum = torch.cat([wsum[:1] / s_sq, wsum[1:]])
+        if big_is_scaled:
+            big_val = big_val / s_sq
+    # [small, C, Q, big]
+    block = torch.cat([wsum, big_val.reshape(1)])
+    nonfinite = (block - block).ne(0).any(0, keepdim=True)  # x - x is nan exactly for inf and nan
+    block = block.masked_fill(nonfinite, 0.0)
+    flag_vec = torch.tensor(flags, dtype=torch.float64, device=device)
+    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q]
+    vec = torch.cat([
+        block[:1], sums[1:4], block[3:4], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:],
+        block[1:3],
+    ])
+    vec = cbs_dist.all_reduce_sum(vec, dp_group)
+    return _step_stats(vec.tolist(), avg_ranks=avg_ranks, group=group)  # one host sync
 
 
-def _step_stats(values: list[float], *, avg_ranks: int, loss_divisor: float) -> tuple[StepStats, WindowFaults]:
-    """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran]``."""
-    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran = values
+def _step_stats(values: list[float], *, avg_ranks: int, group: bool) -> tuple[StepStats, WindowFaults]:
+    """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q]``.
+
+    With ``group`` the per-rank sums were taken with ``D = 1``: the divisor is known only now,
+    the group's units over the averaging ranks.
+    """
+    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran, c, q = values
+    if group and units > 0:
+        d = units / avg_ranks
+        small_total, c, q = small_total * d * d, c / d, q / (d * d)
     k = int(round(count))
-    big_sq = big_total * (avg_ranks * float(loss_divisor) / max(k, 1)) ** 2
+    big_sq = big_total * (avg_ranks / c) ** 2 if c > 0 else 0.0
     stats = StepStats(
         small_sq_norm=small_total / max(k, 1),
         big_sq_norm=big_sq,
         num_microbatches=k,
         small_batch=(k / inv_sum) if inv_sum > 0 else 0.0,
+        big_batch=(c * c / q) if q > 0 else 0.0,
         units=units,
         finite=nonfinite == 0 and unmeas == 0 and math.isfinite(big_sq),
         synced_sq_norm=big_total if nonfinite == 0 else math.nan,
