@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.cadence import check_measure_every
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale_and_get_scale
@@ -79,6 +80,10 @@ class CBSCallback(Callback):
             at the starting accumulation (e.g. from ``estimated_stepping_batches``) advances
             by the starting-batch steps each optimizer step held, so it ends with the data.
         max_tokens: stop the run once this many units were consumed (all ranks).
+        measure_every: measure one window in ``n`` (default 1), or ``"auto"``: the smallest
+            ``n`` keeping the measurement at or below ``measure_target`` of the step time.
+            Windows not measured still count for the units, the counters and the schedule.
+        measure_target: the share of the step time ``"auto"`` allows (default 0.01).
 
     Under growth, ``Trainer(max_steps=N)`` means N optimizer steps **at the starting
     accumulation**: the callback stops the run once the units of N such steps were
@@ -110,6 +115,8 @@ class CBSCallback(Callback):
         cap_lr_at_peak: bool = False,
         retime_schedulers: bool = True,
         max_tokens: float | None = None,
+        measure_every: int | str = 1,
+        measure_target: float = 0.01,
     ) -> None:
         if not isinstance(observe_only, bool):
             raise TypeError(f"CBSCallback(observe_only={observe_only!r}): expected True or False")
@@ -147,6 +154,7 @@ class CBSCallback(Callback):
             raise ValueError(f"CBSCallback(unit={unit!r}): must be 'tokens', 'samples' or None")
         if not isinstance(rescale_short_window, bool):
             raise TypeError(f"CBSCallback(rescale_short_window={rescale_short_window!r}): expected True or False")
+        check_measure_every(measure_every, measure_target, owner="CBSCallback")
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"CBSCallback(loss_normalization={loss_normalization!r}): must be one of {LOSS_NORMALIZATIONS} "
@@ -185,6 +193,8 @@ class CBSCallback(Callback):
         self.unit: Unit = unit
         self.rescale_short_window = rescale_short_window and loss_normalization == "mean"
         self.loss_normalization = loss_normalization
+        self.measure_every, self.measure_target = measure_every, measure_target
+        self._measure = True
         self.preconditioner = preconditioner
         self.estimator = estimator if estimator is not None else NoiseScaleEstimator()
         self.process_group = process_group
@@ -323,6 +333,8 @@ class CBSCallback(Callback):
             lr_coupling=self.lr_coupling,
             cap_lr_at_peak=self.cap_lr_at_peak,
             warn=lambda message: rank_zero_warn(message, category=UserWarning),
+            measure_every=self.measure_every,
+            measure_target=self.measure_target,
         )
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
         if not self._params:
@@ -416,9 +428,11 @@ class CBSCallback(Callback):
             return
         if self.collector.num_microbatches == 0:
             self._refresh_params(pl_module)
+            if self.session is not None:
+                self._measure = self.session.start_window()
         # Lightning divided this microbatch's loss by the value it reads right now.
         self._window_divisors.add(int(trainer.accumulate_grad_batches))
-        self.collector.begin_microbatch(unsynced=self._unsynced)
+        self.collector.begin_microbatch(unsynced=self._unsynced, measure=self._measure)
 
     def _refresh_params(self, pl_module: pl.LightningModule) -> None:
         """At a window's first backward: hook parameters that became trainable (gradual unfreezing)."""
@@ -452,6 +466,8 @@ class CBSCallback(Callback):
             avg_ranks=self._avg_ranks,
             scale=self._loss_scale(trainer, optimizer),
             transform=self._transform,
+            measured=self._measure,
+            proposed_every=session.cadence.proposal(),
         )
         if len(divisors) > 1:
             stats = dataclasses.replace(stats, finite=False)  # mixed 1/A factors: not measurable

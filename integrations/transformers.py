@@ -19,6 +19,7 @@ from torch import nn
 from transformers import Trainer
 
 from cbs_tracker.core import distributed as cbs_dist
+from cbs_tracker.core.cadence import check_measure_every
 from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import reduce_window
@@ -61,6 +62,10 @@ class CBSTrainer(Trainer):
         lr_coupling: ``"auto"`` (LR x sqrt(B/B0) for Adam-family optimizers, x B/B0 for SGD),
             ``"keep"``, ``"sqrt"`` or ``"linear"``.
         cap_lr_at_peak: never let the coupling raise the LR above the schedule's peak.
+        measure_every: measure one window in ``n`` (default 1), or ``"auto"``: the smallest
+            ``n`` keeping the measurement at or below ``measure_target`` of the step time.
+            Windows not measured still count for the units, the counters and the schedule.
+        measure_target: the share of the step time ``"auto"`` allows (default 0.01).
 
     Under growth the Trainer's learning-rate scheduler advances by the starting-batch
     steps each optimizer step held, and ``max_steps`` (given, or computed from the
@@ -89,6 +94,8 @@ class CBSTrainer(Trainer):
         preconditioner: Literal["adam"] | None = None,
         lr_coupling: str | None = "auto",
         cap_lr_at_peak: bool = False,
+        measure_every: int | str = 1,
+        measure_target: float = 0.01,
         **kwargs: Any,
     ) -> None:
         if not isinstance(observe_only, bool):
@@ -118,6 +125,7 @@ class CBSTrainer(Trainer):
             raise ValueError(f"CBSTrainer(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
         if not isinstance(cap_lr_at_peak, bool):
             raise TypeError(f"CBSTrainer(cap_lr_at_peak={cap_lr_at_peak!r}): expected True or False")
+        check_measure_every(measure_every, measure_target, owner="CBSTrainer")
         super().__init__(*args, **kwargs)
         self.controller = controller
         self.unit: Unit = unit
@@ -128,6 +136,8 @@ class CBSTrainer(Trainer):
         self.preconditioner = preconditioner
         self.lr_coupling = lr_coupling
         self.cap_lr_at_peak = cap_lr_at_peak
+        self.measure_every, self.measure_target = measure_every, measure_target
+        self._measure = True
         self._check_configuration()
 
         self.session: TrackingSession | None = None
@@ -282,7 +292,7 @@ class CBSTrainer(Trainer):
             owner="CBSTrainer", unit=self.unit, starting_accumulation=self._starting_accumulation,
             dp_degree=cbs_dist.group_size(dp_group), estimator=self.estimator, controller=self.controller,
             optimizer=optimizer, lr_coupling=self.lr_coupling, cap_lr_at_peak=self.cap_lr_at_peak,
-            warn=self._warn,
+            warn=self._warn, measure_every=self.measure_every, measure_target=self.measure_target,
         )
         if self._restored is not None:
             self.session.load_state_dict(self._restored)
@@ -328,6 +338,7 @@ class CBSTrainer(Trainer):
         setting = self._next_window()
         batches, num_items = super().get_batch_samples(epoch_iterator, setting, device)
         self._window = [self._count(inputs) for inputs in batches]
+        self._measure = self.session.start_window()
         self._window_index = 0
         self._window_setting = setting
         self._epoch_pos += len(batches)
@@ -425,7 +436,7 @@ class CBSTrainer(Trainer):
         if collector is None or self._window_index >= len(self._window):
             return super().training_step(model, inputs, num_items_in_batch)
         size = self._window[self._window_index]
-        collector.begin_microbatch(unsynced=self._unsynced)
+        collector.begin_microbatch(unsynced=self._unsynced, measure=self._measure)
         loss = super().training_step(model, inputs, num_items_in_batch)
         collector.end_microbatch(size)
         self._window_index += 1
@@ -454,7 +465,8 @@ class CBSTrainer(Trainer):
                 scale = torch.tensor(float(scaler.get_scale()))
         stats, faults = reduce_window(
             collector, self._params, dp_group=None, avg_ranks=self._avg_ranks, transform=self._transform,
-            expected_microbatches=k, scale=scale, big_is_scaled=scale is not None, **norm,
+            expected_microbatches=k, scale=scale, big_is_scaled=scale is not None, measured=self._measure,
+            proposed_every=session.cadence.proposal(), **norm,
         )
         collector.reset_window()
         session.finish_step(stats, faults, window_accumulation=self._window_setting, mismatch_is_fatal=True)

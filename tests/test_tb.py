@@ -95,6 +95,7 @@ STEP_TAGS_TOKENS = {
     "cbs/tokens_seen",
     "cbs/lr",
     "cbs/dropped",
+    "cbs/measured",
 }
 SCHEDULE_TAGS_TOKENS = {
     "cbs_tokens/noise_scale",
@@ -120,6 +121,7 @@ def expected_points(records: list[StepRecord], unit: str) -> dict[str, list[tupl
         f"cbs/{unit}_seen": "tokens_seen",
         "cbs/lr": "lr",
         "cbs/dropped": "dropped",
+        "cbs/measured": "measured",
     }
     schedule = {
         f"cbs_{unit}/noise_scale": "noise_scale",
@@ -196,6 +198,7 @@ def test_record_scalars_exact_dict():
         "cbs/tokens_seen": 123456.0,
         "cbs/lr": 1e-3,
         "cbs/dropped": 0.0,
+        "cbs/measured": 1.0,
     }
     assert schedule_scalars(r) == {
         "cbs_tokens/noise_scale": 2500.0,

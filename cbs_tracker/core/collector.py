@@ -26,6 +26,8 @@ from torch import nn
 # (param, local gradient) -> gradient to measure (e.g. Adam-preconditioned), or None to skip
 GradTransform = Callable[[nn.Parameter, torch.Tensor], "torch.Tensor | None"]
 
+_HOST_ZERO = torch.zeros((), dtype=torch.float32)
+
 #: Default bucket bound, as a fraction of one copy of the hooked gradients.
 BUCKET_FRACTION = 1 / 8
 #: Default bucket bound in bytes, whatever the model size.
@@ -58,6 +60,9 @@ class StepStats:
         synced_sq_norm: ``|.grad|^2`` of the synced (and unscaled) step gradient as it
             stands, loss factors still in, over the whole model (shards summed); what
             ``clip_grad_norm_`` would compute. ``nan`` when it was not measured.
+        measured: the window's norms were measured on every rank (``False``: a window the
+            measuring cadence let pass; only the counts are meaningful).
+        proposed_every: the ranks' mean proposal for the measuring cadence.
     """
 
     small_sq_norm: float
@@ -68,6 +73,8 @@ class StepStats:
     units: float
     finite: bool
     synced_sq_norm: float = math.nan
+    measured: bool = True
+    proposed_every: float = math.nan
 
 
 class AdamPreconditioner:
@@ -208,6 +215,7 @@ class GradStatsCollector:
         self._param_bytes = 0
         self._lock = threading.Lock()  # hooks of several devices run on several autograd threads
         self._recording = False
+        self._passive = False  # a microbatch of a window the cadence does not measure
         self._skipped = False
         self._eager = False  # set after a held gradient was seen modified before its norm
         # the gradients held: (device, dtype) -> [(param, gradient, version if it may become .grad)]
@@ -257,7 +265,10 @@ class GradStatsCollector:
     def _make_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         def fn(grad: torch.Tensor) -> None:
             if not self._recording:
-                self.hooks_fired_outside += 1
+                if self._passive:
+                    self._hooks_this_microbatch += 1
+                else:
+                    self.hooks_fired_outside += 1
                 return
             if self._from_grad:  # read from .grad when the microbatch ends
                 self._hooks_this_microbatch += 1
@@ -373,7 +384,7 @@ class GradStatsCollector:
         return len(self._handles)
 
     # ------------------------------------------------------------------ window
-    def begin_microbatch(self, *, unsynced: bool = False) -> None:
+    def begin_microbatch(self, *, unsynced: bool = False, measure: bool = True) -> None:
         """Start recording the hooks of one microbatch's backward.
 
         Args:
@@ -385,9 +396,15 @@ class GradStatsCollector:
                 change it), the hooks only count and the norms are taken from
                 ``.grad`` at :meth:`end_microbatch` (one fused norm per device and
                 dtype, nothing held); otherwise the hooks measure as usual.
+            measure: ``False`` for a window the measuring cadence lets pass: the hooks
+                only count their calls and no norm is taken (the microbatch's size is kept).
         """
-        if self._recording:
+        if self._recording or self._passive:
             raise RuntimeError("GradStatsCollector.begin_microbatch: the previous microbatch was not ended")
+        self._hooks_this_microbatch = 0
+        if not measure:
+            self._passive = True
+            return
         # a post-accumulate-grad hook may change .grad before it is read (per-parameter clipping,
         # an optimizer step in backward): those parameters keep the hooks' own checks
         self._from_grad = unsynced and not self._eager and all(
@@ -404,6 +421,12 @@ class GradStatsCollector:
         ``size`` may be a number or a 0-d tensor (left on its device); it is checked
         in :meth:`window_sums`.
         """
+        if self._passive:
+            self._passive = False
+            self.hooks_fired_in_last_microbatch = self._hooks_this_microbatch
+            self._micro_sq.append(_HOST_ZERO)  # a placeholder: a window not measured takes no norm
+            self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
+            return
         with self._lock:
             if self._from_grad:
                 self._reduce_grads()
@@ -432,8 +455,8 @@ class GradStatsCollector:
         """The window's per-microbatch squared norms (0-d tensors, loss scale still in)."""
         return list(self._micro_sq)
 
-    def window_sums(self, device: torch.device) -> torch.Tensor:
-        """This rank's window as ``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2]``, float64 on ``device``.
+    def window_sums(self, device: torch.device, extra: list[float] = (), *, norms: bool = True) -> torch.Tensor:  # type: ignore[assignment]
+        """This rank's window as ``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2, *extra]``, float64 on ``device``.
 
         ``h_k`` are the hooked gradients as the backward produced them (loss
         division and AMP scale still in), ``b_k`` the sizes given to
@@ -443,27 +466,34 @@ class GradStatsCollector:
         nor adds a zero norm. ``invalid`` counts the microbatches whose size was
         negative, NaN or infinite (also left out); the caller raises on it after
         its reduction. The last sum serves losses normalised by units (a microbatch's
-        hooked gradient proportional to its units). Checked on the device, without a
-        host sync.
+        hooked gradient proportional to its units). ``extra`` (host numbers) travel to
+        the device in the same copy as the sizes given as numbers. ``norms=False``
+        (a window not measured) takes no norm: those sums are 0. Checked on the
+        device, without a host sync.
         """
-        if not self._micro_sq:
-            return torch.zeros(6, dtype=torch.float64, device=device)
-        sq = _stack_float64(self._micro_sq, device)
+        k = len(self._micro_size)
+        # one host-to-device copy: the sizes given as numbers, then the caller's numbers
+        packed = torch.tensor(
+            [0.0 if isinstance(v, torch.Tensor) else v for v in self._micro_size] + [float(x) for x in extra],
+            dtype=torch.float64,
+        ).to(device)
+        tail = packed[k:]
+        if k == 0:
+            return torch.cat([torch.zeros(6, dtype=torch.float64, device=device), tail])
         if all(not isinstance(v, torch.Tensor) for v in self._micro_size):
-            size = torch.tensor(self._micro_size, dtype=torch.float64, device=device)
+            size = packed[:k]
         else:
             size = _stack_float64(
-                [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
-                 for v in self._micro_size],
-                device,
+                [v if isinstance(v, torch.Tensor) else packed[i] for i, v in enumerate(self._micro_size)], device
             )
+        sq = _stack_float64(self._micro_sq, device) if norms else torch.zeros_like(size)
         ok = (size >= 0) & (size < math.inf)  # finite and >= 0: nan fails both comparisons
         valid = ok & (size > 0)
         inv = size.reciprocal()
         cols = torch.stack([sq, torch.ones_like(size), inv, size, sq * inv * inv], dim=1)
         sums = torch.where(valid.unsqueeze(1), cols, 0.0).sum(0)
         invalid = (~ok).sum(dtype=torch.float64)
-        return torch.cat([sums[:4], invalid.reshape(1), sums[4:]])
+        return torch.cat([sums[:4], invalid.reshape(1), sums[4:], tail])
 
     def host_window_sums(self) -> list[float] | None:
         """:meth:`window_sums` as Python floats when every value already lives on the host.

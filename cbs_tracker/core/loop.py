@@ -71,6 +71,13 @@ class LoopTracker:
             x B/B0 for SGD), ``"keep"``, ``"sqrt"`` or ``"linear"``.
         cap_lr_at_peak: never let the coupling raise the learning rate above the
             schedule's peak (default ``False``).
+        measure_every: measure one window in ``n`` (default 1: every window); the others
+            run with hooks that return at once and no norm pass, and still count for the
+            units, the counters and the LR schedule. ``"auto"``: the smallest ``n`` that
+            keeps the measurement at or below ``measure_target`` of the step time, from
+            timings of measured and unmeasured windows. The estimate's interval widens
+            with fewer measured units; the controller decides on measured windows only.
+        measure_target: the share of the step time ``"auto"`` allows (default 0.01).
 
     Raises:
         ValueError / TypeError: on bad configuration (the message names the argument).
@@ -102,6 +109,8 @@ class LoopTracker:
         lr_scheduler: Any | None = None,
         lr_coupling: str | None = "auto",
         cap_lr_at_peak: bool = False,
+        measure_every: int | str = 1,
+        measure_target: float = 0.01,
     ) -> None:
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -142,6 +151,8 @@ class LoopTracker:
             lr_coupling=lr_coupling,
             cap_lr_at_peak=cap_lr_at_peak,
             logger=logger,
+            measure_every=measure_every,
+            measure_target=measure_target,
         )
         self._module = self._unwrap(model)
         self._all_params: list[nn.Parameter] = list(self._module.parameters())
@@ -154,6 +165,7 @@ class LoopTracker:
             self.session.attach_scheduler(lr_scheduler)
         self._window_index = 0
         self._window_divisor = self.session.accumulation_steps
+        self._measure = True  # the current window is measured (the cadence decides at its start)
         self._in_microbatch = False
         self._step_norm: float | None = None  # the synced gradient's norm, while .grad is as step() saw it
 
@@ -332,7 +344,7 @@ class LoopTracker:
         self._step_norm = None
         last = self._window_index >= self.session.accumulation_steps - 1
         self._in_microbatch = True
-        self.collector.begin_microbatch(unsynced=self._unsynced(last))
+        self.collector.begin_microbatch(unsynced=self._unsynced(last), measure=self._measure)
         try:
             with self._sync_context(last):
                 yield
@@ -349,6 +361,7 @@ class LoopTracker:
 
     def _begin_window(self) -> None:
         self.session.apply_pending()
+        self._measure = self.session.start_window()
         self._window_divisor = self.session.accumulation_steps
         self._refresh_params()
 
@@ -402,6 +415,8 @@ class LoopTracker:
             big_norm_is_sharded=self.big_norm_is_sharded,
             expected_microbatches=self._window_divisor,
             normalization=self.loss_normalization,
+            measured=self._measure,
+            proposed_every=self.session.cadence.proposal(),
         )
         self.collector.reset_window()
         self._window_index = 0

@@ -83,6 +83,8 @@ def reduce_window(
     normalization: str = "mean",
     units_divisor: torch.Tensor | float | None = None,
     big_is_scaled: bool = False,
+    measured: bool = True,
+    proposed_every: float = 1.0,
 ) -> tuple[StepStats, WindowFaults]:
     """One optimizer step's norms on one scale, reduced over the DP group.
 
@@ -97,7 +99,8 @@ def reduce_window(
     (``K B_small`` for equal weights; the window's units for unit-normalised losses;
     ``R`` times the harmonic mean of the ranks' units when each rank divides by its own).
     ``K`` is the microbatches really run (a short window is measured with its real size).
-    One ``all_reduce`` of 12 float64 numbers and one host sync.
+    One ``all_reduce`` of 14 float64 numbers and one host sync; on an accelerator the
+    host's numbers (sizes given as numbers, flags, counts) reach the device in one copy.
 
     Args:
         collector: the window's per-microbatch norms (not reset here).
@@ -117,6 +120,9 @@ def reduce_window(
             tensor, left on its device; the Trainer's ``num_items_in_batch`` over its rank
             factor).
         big_is_scaled: ``.grad`` still carries the loss scale ``S`` (not unscaled yet).
+        measured: ``False`` for a window the measuring cadence lets pass (the collector
+            took no norm): no norm pass over ``.grad``, only the counts are reduced.
+        proposed_every: this rank's proposal for the measuring cadence (averaged over ranks).
 
     Returns:
         The reduced :class:`~cbs_tracker.core.collector.StepStats` and :class:`WindowFaults`.
@@ -126,15 +132,17 @@ def reduce_window(
     """
     if normalization not in LOSS_NORMALIZATIONS:
         raise ValueError(f"reduce_window(normalization={normalization!r}): must be one of {LOSS_NORMALIZATIONS}")
-    big = local_grad_sq_norm(big_params, transform)
+    big = local_grad_sq_norm(big_params, transform) if measured else None
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)
     # what this rank knows on the host: [unmeasurable, mismatched, microbatches it ran]
     local_k = collector.num_microbatches
     flags = [
-        float(collector.window_unmeasurable or (big is None and transform is not None)),
+        float(measured and (collector.window_unmeasurable or (big is None and transform is not None))),
         float(expected_microbatches is not None and local_k not in (0, expected_microbatches)),
         float(local_k),
+        float(measured),
+        float(proposed_every),
     ]
     if big is not None and not (big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0):
         big = None  # a replica: one rank reports the big norm
@@ -163,17 +171,19 @@ def reduce_window(
         else:
             big_val = 0.0 if big is None else big.item()
         finite = all(math.isfinite(v) for v in (small, big_val, c, q))
-        unmeasurable, mismatched, ran = flags
+        unmeasurable, mismatched, ran, was_measured, proposal = flags
         values = [
             small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
             0.0 if finite else 1.0, unmeasurable, mismatched, invalid, ran,
-            c if finite else 0.0, q if finite else 0.0,
+            c if finite else 0.0, q if finite else 0.0, was_measured, proposal,
         ]
-        if cbs_dist.is_distributed() and cbs_dist.group_size(dp_group) > 1:
+        ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
+        if ranks > 1:
             values = cbs_dist.all_reduce_sum(torch.tensor(values, dtype=torch.float64), dp_group).tolist()
-        return _step_stats(values, avg_ranks=avg_ranks, group=group)
+        return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks)
     # On an accelerator every operator below is a launch: the vector is built in about a dozen.
-    sums = collector.window_sums(device)  # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2]
+    # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2, *flags]
+    sums = collector.window_sums(device, flags, norms=measured)
     if normalization == "mean":
         wsum = torch.stack([sums[0] * (a * a), sums[1] / a, sums[2] / (a * a)])
     else:
@@ -200,23 +210,26 @@ def reduce_window(
     block = torch.cat([wsum, big_val.reshape(1)])
     nonfinite = (block - block).ne(0).any(0, keepdim=True)  # x - x is nan exactly for inf and nan
     block = block.masked_fill(nonfinite, 0.0)
-    flag_vec = torch.tensor(flags, dtype=torch.float64, device=device)
-    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q]
+    flag_vec = sums[6:]
+    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q, measured, proposal]
     vec = torch.cat([
-        block[:1], sums[1:4], block[3:4], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:],
-        block[1:3],
+        block[:1], sums[1:4], block[3:4], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:3],
+        block[1:3], flag_vec[3:5],
     ])
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
-    return _step_stats(vec.tolist(), avg_ranks=avg_ranks, group=group)  # one host sync
+    ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
+    return _step_stats(vec.tolist(), avg_ranks=avg_ranks, group=group, ranks=ranks)  # one host sync
 
 
-def _step_stats(values: list[float], *, avg_ranks: int, group: bool) -> tuple[StepStats, WindowFaults]:
-    """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q]``.
+def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int) -> tuple[StepStats, WindowFaults]:
+    """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q,
+    measured, proposal]`` (``ranks``: the ranks summed).
 
     With ``group`` the per-rank sums were taken with ``D = 1``: the divisor is known only now,
     the group's units over the averaging ranks.
     """
-    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran, c, q = values
+    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran, c, q, meas, prop = values
+    measured = meas > ranks - 0.5  # every rank measured this window
     if group and units > 0:
         d = units / avg_ranks
         small_total, c, q = small_total * d * d, c / d, q / (d * d)
@@ -230,7 +243,9 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool) -> tuple[St
         big_batch=(c * c / q) if q > 0 else 0.0,
         units=units,
         finite=nonfinite == 0 and unmeas == 0 and math.isfinite(big_sq),
-        synced_sq_norm=big_total if nonfinite == 0 else math.nan,
+        synced_sq_norm=big_total if nonfinite == 0 and measured else math.nan,
+        measured=measured,
+        proposed_every=prop / max(ranks, 1),
     )
     return stats, WindowFaults(
         mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran))

@@ -47,6 +47,8 @@ class StepRecord:
             batch-size coupling (``None`` without an optimizer).
         lr_coupling: the factor the batch-size coupling multiplies the schedule by
             (1.0 at the starting batch).
+        measured: the window's norms were measured (``False``: the measuring cadence let it
+            pass; its units, the counters and the schedule still count it).
         lr_conversions: doublings made so far in place of a halving of the scheduled
             learning rate (the controller's ``convert_lr_decay`` mode; 0 otherwise).
     """
@@ -72,3 +74,4 @@ class StepRecord:
     scheduled_lr: float | None = None
     lr_coupling: float | None = None
     lr_conversions: int | None = None
+    measured: bool = True

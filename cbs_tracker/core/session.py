@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 import warnings
 from typing import Any
 
+from cbs_tracker.core.cadence import MeasureCadence
 from cbs_tracker.core.collector import StepStats
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import WindowFaults
@@ -74,6 +76,10 @@ class TrackingSession:
             schedule's peak (the param group's ``initial_lr``/``max_lr``).
         logger: anything with ``log(record)``.
         warn: ``fn(message)`` for user warnings (rank-zero aware in Lightning).
+        measure_every: measure one window in ``n`` (default 1: every window), or
+            ``"auto"``: the smallest ``n`` that keeps the measurement's share of the step
+            time at or below ``measure_target`` (see :mod:`cbs_tracker.core.cadence`).
+        measure_target: that share for ``"auto"`` (default 0.01).
 
     Raises:
         TypeError / ValueError: on bad configuration (the message names the argument).
@@ -93,6 +99,8 @@ class TrackingSession:
         cap_lr_at_peak: bool = False,
         logger: Any | None = None,
         warn: Any | None = None,
+        measure_every: int | str = 1,
+        measure_target: float = 0.01,
     ) -> None:
         if unit not in ("tokens", "samples"):
             raise ValueError(f"{owner}(unit={unit!r}): must be 'tokens' or 'samples'")
@@ -140,6 +148,9 @@ class TrackingSession:
         self.cap_lr_at_peak = cap_lr_at_peak
         self.logger = logger
         self._warn_fn = warn
+        self.cadence = MeasureCadence(measure_every, measure_target, owner=owner)
+        self._last_finish: float | None = None
+        self._window_start: float | None = None
         self.timer: ScheduleTimer | None = None
         self._pending_schedule_state: dict[str, Any] | None = None
         self._update_kwargs: tuple[str, ...] | None = None
@@ -219,6 +230,11 @@ class TrackingSession:
         apply_lr_factor(self.optimizer, ratio)
 
     # ------------------------------------------------------------------ the step
+    def start_window(self) -> bool:
+        """A window starts: note the time (for ``measure_every="auto"``); returns whether it is measured."""
+        self._window_start = time.perf_counter()
+        return self.cadence.measure_next()
+
     def finish_step(
         self,
         stats: StepStats,
@@ -247,14 +263,25 @@ class TrackingSession:
             RuntimeError: a rank ran a window of another size than the tracker set
                 (multi-rank), or a microbatch size was negative or not finite.
         """
+        now = time.perf_counter()
+        start = self._window_start if self._window_start is not None else self._last_finish
+        per_unit = None if start is None or stats.units <= 0 else (now - start) / stats.units
+        self._last_finish, self._window_start = now, None
         faults = faults or WindowFaults()
         self._check_faults(stats, faults, window_accumulation, mismatch_is_fatal)
         run = faults.microbatches_run or stats.num_microbatches
         self._advance(stats, run)
-        estimate = self._estimate(stats, window_accumulation, estimate_allowed)
+        measured = stats.measured
+        estimate = self._estimate(stats, window_accumulation, estimate_allowed and measured)
         interval = getattr(self.estimator, "noise_scale_interval", None)
         low, high = interval if interval is not None else (None, None)
-        critical = self._decide(stats, window_accumulation, low, high)
+        if measured:
+            critical = self._decide(stats, window_accumulation, low, high)
+        else:  # the controller decides on measured windows only
+            self.changed_this_step = False
+            critical = getattr(self.last_decision, "critical_batch", None)
+        self.cadence.window_done(measured, per_unit)
+        self.cadence.agree(stats.proposed_every)
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = float(self.optimizer.param_groups[0]["lr"])
         step_est = None if estimate is None else estimate.step
@@ -274,6 +301,7 @@ class TrackingSession:
             step_grad_sq_norm=None if step_est is None else step_est.grad_sq_norm,
             step_trace_cov=None if step_est is None else step_est.trace_cov,
             dropped=not stats.finite,
+            measured=measured,
             next_accumulation_steps=(
                 self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
             ),
@@ -469,6 +497,7 @@ class TrackingSession:
             "lr_coupling": self.coupling,
             "schedule": None if self.timer is None else self.timer.state_dict(),
             "warned": sorted(self._warned),
+            "cadence": self.cadence.state_dict(),
             "estimator": self.estimator.state_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
         }
@@ -550,6 +579,9 @@ class TrackingSession:
         self.pending_accumulation = pending if pending > 0 else None
         self.coupling = coupling
         self._warned = set(warned)
+        cadence = state.get("cadence")
+        if isinstance(cadence, dict):
+            self.cadence.load_state_dict(cadence)
         if self.timer is not None:
             self.timer.coupling = coupling
             if schedule is not None:

@@ -53,6 +53,7 @@ TAGS: tuple[TagSpec, ...] = (
     TagSpec("cbs/lr_coupling", "lr_coupling", "factor the batch-size coupling multiplies the schedule by"),
     TagSpec("cbs/lr_conversions", "lr_conversions", "doublings made in place of a halving of the scheduled LR"),
     TagSpec("cbs/dropped", "dropped", "1 if the step's gradients were not finite (not measured), else 0"),
+    TagSpec("cbs/measured", "measured", "1 if this window's norms were measured, 0 if the measuring cadence let it pass"),
     TagSpec("cbs_{unit}/noise_scale", "noise_scale", "as cbs/noise_scale, x = {unit} seen"),
     TagSpec("cbs_{unit}/critical_batch", "critical_batch", "as cbs/critical_batch, x = {unit} seen"),
     TagSpec("cbs_{unit}/global_batch_{unit}", "global_batch", "as cbs/global_batch_{unit}, x = {unit} seen"),

@@ -1,0 +1,214 @@
+"""The measuring cadence: one window in ``n`` measured, exactly, and ``"auto"`` choosing ``n`` from timings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cbs_tracker import CBSTracker, NoiseScaleEstimator
+from cbs_tracker.core import session as session_module
+from cbs_tracker.core.cadence import MAX_EVERY, MeasureCadence
+from cbs_tracker.core.collector import GradStatsCollector
+from tests.doubles import PlanController
+
+D, SIGMA, MICRO, ACC = 8, 0.5, 16, 4
+
+
+def _data(steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(0)
+    w_star = torch.randn(D, generator=g)
+    delta = 0.3 * torch.randn(D, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * ACC * MICRO, D, generator=g)
+    y = x @ w_star + SIGMA * torch.randn(len(x), generator=g)
+    dd = float(delta.pow(2).sum())
+    return w_star + delta, x, y, (D * (dd + SIGMA**2) + dd) / dd
+
+
+def _run(steps: int, *, controller=None, clock=None, **kw):
+    """A frozen linear regression in a plain loop; returns the tracker and its records."""
+    weight, x, y, _ = _data(steps)
+    model = nn.Linear(D, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(weight[None])
+    tracker = CBSTracker(model, accumulation_steps=ACC, unit="samples", controller=controller,
+                         estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=10), **kw)
+    records = []
+    for s in range(steps):
+        for k in range(ACC):
+            i = (s * ACC + k) * MICRO
+            with tracker.microbatch(size=MICRO):
+                (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
+            if clock is not None:
+                clock.work(tracker)
+        records.append(tracker.step())
+        model.zero_grad(set_to_none=True)
+    return tracker, records
+
+
+def test_every_fourth_window_is_measured_exactly_and_the_others_still_count():
+    steps = 400
+    full, every = _run(steps)
+    sparse, some = _run(steps, measure_every=4)
+    assert [r.measured for r in some] == [s % 4 == 0 for s in range(steps)]
+    for a, b in zip(every, some, strict=True):
+        # the counters see every window
+        assert (a.step, a.tokens_seen, a.global_batch, a.accumulation_steps) == (
+            b.step, b.tokens_seen, b.global_batch, b.accumulation_steps)
+        if b.measured:  # a measured window gives exactly the numbers of the every-window run
+            assert b.step_grad_sq_norm == pytest.approx(a.step_grad_sq_norm, rel=1e-9)
+            assert b.step_trace_cov == pytest.approx(a.step_trace_cov, rel=1e-9)
+        else:
+            assert b.step_grad_sq_norm is None and b.step_trace_cov is None
+    # the estimate is that of the measured windows alone (an estimator fed only those), with a wider interval
+    ref = NoiseScaleEstimator(horizon_steps=1e9, min_steps=10)
+    for stats in _measured_stats(steps, 4):
+        ref.update(*stats)
+    assert sparse.noise_scale == pytest.approx(ref.noise_scale, rel=1e-5)  # float32 gradients vs float64
+    lo_full, hi_full = full.noise_scale_interval
+    lo, hi = sparse.noise_scale_interval
+    assert hi - lo > 1.5 * (hi_full - lo_full)  # a quarter of the units: about twice as wide
+    assert lo <= full.noise_scale <= hi
+
+
+def _measured_stats(steps: int, n: int):
+    """(small, big, B_small, B_big, units) of every ``n``-th window, computed from the data by hand."""
+    weight, x, y, _ = _data(steps)
+    for s in range(0, steps, n):
+        grads = []
+        for k in range(ACC):
+            i = (s * ACC + k) * MICRO
+            xs, ys = x[i : i + MICRO].double(), y[i : i + MICRO].double()
+            grads.append(((xs @ weight.double() - ys)[:, None] * xs).mean(0))
+        g = torch.stack(grads)
+        yield (float(g.pow(2).sum(1).mean()), float(g.mean(0).pow(2).sum()), float(MICRO), float(ACC * MICRO),
+               float(ACC * MICRO))
+
+
+def test_an_unmeasured_window_takes_no_norm(monkeypatch):
+    calls = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tracker, records = _run(8, measure_every=4)
+    measured = sum(r.measured for r in records)
+    assert measured == 2
+    per_measured = len(calls) / measured
+    calls.clear()
+    _run(8, measure_every=1)
+    assert len(calls) == pytest.approx(8 * per_measured)  # every norm pass belongs to a measured window
+
+
+def test_the_controller_decides_on_measured_windows_only():
+    seen = []
+
+    class Recording(PlanController):
+        def update(self, *, step, **kw):
+            seen.append(step)
+            return super().update(step=step, **kw)
+
+    _run(24, controller=Recording({}), measure_every=3)
+    assert seen == list(range(1, 25, 3))
+
+
+class FakeClock:
+    """A clock the test advances: each microbatch costs 1 s per sample, 6% more in a measured window."""
+
+    def __init__(self, extra: float) -> None:
+        self.now, self.extra = 0.0, extra
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self, tracker) -> None:
+        self.now += MICRO * (1.0 + (self.extra if tracker._measure else 0.0))
+
+
+@pytest.mark.parametrize("extra, want", [(0.06, 6), (0.004, 1), (5.0, MAX_EVERY)])
+def test_auto_picks_the_smallest_cadence_within_the_target(monkeypatch, extra, want):
+    clock = FakeClock(extra)
+    monkeypatch.setattr(session_module.time, "perf_counter", clock)
+    tracker, records = _run(200, clock=clock, measure_every="auto")
+    assert tracker.session.cadence.every == want
+    late = records[100:]
+    share = sum(r.measured for r in late) / len(late)
+    assert share == pytest.approx(1 / want, abs=0.02)
+    # the overhead measured by the cadence is the clock's (the target is 1%)
+    assert tracker.session.cadence.overhead == pytest.approx(extra, rel=1e-6)
+
+
+def test_cadence_state_round_trips():
+    tracker, _ = _run(30, measure_every=5)
+    state = tracker.state_dict()
+    assert state["cadence"]["every_now"] == 5
+    fresh = CBSTracker(nn.Linear(D, 1, bias=False), accumulation_steps=ACC, unit="samples", controller=None,
+                       measure_every=5)
+    fresh.load_state_dict(state)
+    assert fresh.session.cadence.state_dict() == tracker.session.cadence.state_dict()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(measure_every=0), r"measure_every=0\): must be an integer >= 1 or 'auto'"),
+    (dict(measure_every="fast"), r"measure_every='fast'\): must be an integer >= 1 or 'auto'"),
+    (dict(measure_every=True), r"measure_every=True\)"),
+    (dict(measure_every="auto", measure_target=1.5), r"measure_target=1.5\): must be a fraction"),
+])
+def test_bad_cadence_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CBSTracker(nn.Linear(D, 1), **kwargs)
+
+
+def test_a_step_on_the_accelerator_path_reads_the_host_once(monkeypatch):
+    """A CPU stand-in for CUDA's sync debug mode: inside ``step()`` on the device path, count every
+    tensor-to-host read (``item``, ``float``, ``bool``, ``int``, ``tolist``): one, the reduced vector."""
+    from torch.overrides import TorchFunctionMode
+
+    reads = []
+    host_reads = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__bool__, torch.Tensor.__int__,
+                  torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__index__}
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in host_reads:
+                reads.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
+    weight, x, y, _ = _data(4)
+    model = nn.Linear(D, 1, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for every in (1, 2):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        tracker = CBSTracker(model, opt, accumulation_steps=ACC, unit="tokens", measure_every=every,
+                             grad_scaler=scaler, loss_normalization="window")
+        for s in range(4):
+            for k in range(ACC):
+                i = (s * ACC + k) * MICRO
+                labels = y[i : i + MICRO]
+                with tracker.microbatch(labels=labels):  # the size stays a tensor
+                    loss = 0.5 * (model(x[i : i + MICRO]).squeeze(-1) - labels).pow(2).sum() / (ACC * MICRO)
+                    scaler.scale(loss).backward()
+            reads.clear()
+            with Count():
+                tracker.step()
+            assert reads == ["tolist"], (every, s, reads)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        tracker.remove_hooks()
+    assert math.isfinite(tracker.noise_scale or 0.0)
+
+
+def test_cadence_alone_alternates_while_calibrating_then_keeps_its_choice():
+    c = MeasureCadence("auto", 0.01)
+    pattern = []
+    for w in range(40):
+        m = c.measure_next()
+        pattern.append(m)
+        c.agree(c.proposal())
+        c.window_done(m, 1.0 * (1.03 if m else 1.0))
+    assert pattern[:3] == [True, True, True]  # warm-up windows are measured and not timed
+    assert pattern[3:7] == [False, True, False, True]
+    assert c.every == 3
