@@ -99,11 +99,14 @@ class _null:
 
 
 def _make_tracker(model, optimizer, args):
+    every = getattr(args, "measure_every", "1")
+    every = every if every == "auto" else int(every)
     return CBSTracker(
         model,
         optimizer,
         accumulation_steps=args.accumulation,
         controller=BatchSizeController(observe_only=True),
+        measure_every=every,
     )
 
 
@@ -293,6 +296,8 @@ def main() -> int:
                    help="tracked and plain steps (each) for the direct timing of the tracker's own work")
     p.add_argument("--tracker-clip", action="store_true",
                    help="also time the loop clipping with tracker.clip_grad_norm_ (reuses the step's norm)")
+    p.add_argument("--measure-every", default="1",
+                   help="the tracker's measure_every: an integer n (one window in n measured) or 'auto'")
     p.add_argument("--child", choices=["plain", "tracker"], help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -325,6 +330,20 @@ def main() -> int:
         return 0
     for _ in range(args.warmup):
         _step(model, optimizer, stream, args)
+    per = args.steps_per_round
+    if args.measure_every != "1":
+        # the cadence settles on its own steps first ("auto" times measured and plain windows), then
+        # every round runs whole cycles of it, so each round holds its share of measured windows
+        tracker._register_hooks()
+        for _ in range(40 if args.measure_every == "auto" else 0):
+            _step(model, optimizer, stream, args, tracker)
+        tracker.remove_hooks()
+        cadence = tracker.session.cadence
+        per = max(per, cadence.every)
+        per = -(-per // cadence.every) * cadence.every
+        chosen = f"; measured overhead {cadence.overhead:.2%} of a window" if cadence.overhead is not None else ""
+        print(f"measure_every={args.measure_every}: one window in {cadence.every} measured{chosen}; "
+              f"{per} steps per round")
     variants = ["plain", "tracker", "norms_only"] + (["tracker_clip"] if args.tracker_clip else [])
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
@@ -338,7 +357,7 @@ def main() -> int:
             tracked = variant.startswith("tracker")
             if tracked:
                 tracker._register_hooks()
-            for _ in range(args.steps_per_round):
+            for _ in range(per):
                 cpu_t: list[float] = []
                 t = _step(model, optimizer, stream, args, tracker if tracked else None, cpu_times=cpu_t,
                           norms_only=variant == "norms_only", tracker_clip=variant == "tracker_clip")
@@ -347,7 +366,6 @@ def main() -> int:
                     cpu[variant] += cpu_t
             if tracked:
                 tracker.remove_hooks()
-    per = args.steps_per_round
     paired = [statistics.fmean(times["tracker"][i:i + per]) / statistics.fmean(times["plain"][i:i + per])
               for i in range(0, len(times["plain"]), per)]
     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
@@ -387,7 +405,8 @@ def main() -> int:
                         "norm_passes_fraction_timed": round(att["norm_passes_fraction"], 4)}
         if args.tracker_clip:
             extra_ratios["tracker_clip_ratio"] = round(ratios["tracker_clip"], 4)
-        print(json.dumps({"step_time_ratio": round(ratio, 4), "paired_ratio_median": round(q[1], 4),
+        print(json.dumps({"measure_every": args.measure_every, "measured_one_in": tracker.session.cadence.every,
+                          "step_time_ratio": round(ratio, 4), "paired_ratio_median": round(q[1], 4),
                           "paired_ratio_quartiles": [round(q[0], 4), round(q[2], 4)], **extra_ratios,
                           "cpu_time_ratio": round(cpu_ratio, 4), "peak_memory_ratio": round(mem_ratio, 4),
                           "extra_memory_mib": round(extra / 2**20, 3), "gradient_copy_mib": round(grad_bytes / 2**20, 3),
@@ -400,7 +419,7 @@ def main() -> int:
 def _forward(args) -> list[str]:
     return ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-sequences", str(args.micro_sequences),
             "--accumulation", str(args.accumulation), "--memory-steps", str(args.memory_steps),
-            "--threads", str(args.threads), "--device", args.device]
+            "--threads", str(args.threads), "--device", args.device, "--measure-every", args.measure_every]
 
 
 if __name__ == "__main__":

@@ -206,19 +206,26 @@ class Reading:
         return None if self.reported is None else self.reported / self.frozen
 
 
-def replay(trace: Trace, make_estimator: Callable[[], object] = NoiseScaleEstimator) -> list[Reading]:
-    """Feed the recorded steps to a fresh estimator and read it at each frozen checkpoint."""
+def replay(trace: Trace, make_estimator: Callable[[], object] = NoiseScaleEstimator, *,
+           measure_every: int = 1) -> list[Reading]:
+    """Feed the recorded steps to a fresh estimator and read it at each frozen checkpoint.
+
+    ``measure_every=n`` feeds one step in ``n`` (the first, then every ``n``-th), as a
+    tracker with that measuring cadence would see the run.
+    """
     est = make_estimator()
     readings = []
     marks = {f.tokens: f for f in trace.frozen}
     for i, units in enumerate(trace.tokens):
-        b, bb = trace.small_batch[i], trace.big_batch[i]
-        g, t = trace.grad_sq[i], trace.trace[i]
-        result = est.update(g + t / b, g + t / bb, b, bb, units=bb)  # type: ignore[attr-defined]
+        if i % measure_every == 0:
+            b, bb = trace.small_batch[i], trace.big_batch[i]
+            g, t = trace.grad_sq[i], trace.trace[i]
+            est.update(g + t / b, g + t / bb, b, bb, units=bb)  # type: ignore[attr-defined]
         if units in marks:
             f = marks[units]
-            readings.append(Reading(units, result.noise_scale, result.noise_scale_low,
-                                    result.noise_scale_high, f.noise_scale, f.stderr))
+            interval = est.noise_scale_interval  # type: ignore[attr-defined]
+            low, high = interval if interval is not None else (None, None)
+            readings.append(Reading(units, est.noise_scale, low, high, f.noise_scale, f.stderr))  # type: ignore[attr-defined]
     return readings
 
 
@@ -242,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--save-trace", default=None, help="write the recorded runs to this JSON file")
     p.add_argument("--load-trace", default=None, help="replay runs recorded with --save-trace (no training)")
+    p.add_argument("--measure-every", type=int, nargs="+", default=[1],
+                   help="replay with these measuring cadences (one step in n fed to the estimator)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -258,18 +267,22 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.save_trace, "w") as fh:
             json.dump([asdict(t) for t in traces], fh)
     rows = []
-    print(f"{'seed':>4} {'tokens':>10} {'reported':>9} {'90% interval':>16} {'frozen':>8} {'+-se':>6} {'ratio':>6}")
-    for trace in traces:
-        for r in replay(trace):
-            rows.append({"seed": trace.seed, **asdict(r), "ratio": r.ratio})
-            interval = f"{_fmt(r.low)}-{_fmt(r.high)}"
-            ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
-            print(f"{trace.seed:>4} {r.tokens:>10,.0f} {_fmt(r.reported):>9} {interval:>16} "
-                  f"{r.frozen:>8,.0f} {r.frozen_stderr:>6,.0f} {ratio:>6}")
-    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
-    if ratios:
-        print(f"reported / frozen: min {min(ratios):.2f}, max {max(ratios):.2f} "
-              f"({sum(0.75 <= x <= 1.33 for x in ratios)}/{len(rows)} checkpoints in [0.75, 1.33])")
+    for every in args.measure_every:
+        print(f"measure_every={every}")
+        print(f"{'seed':>4} {'tokens':>10} {'reported':>9} {'90% interval':>16} {'frozen':>8} {'+-se':>6} {'ratio':>6}")
+        mine = []
+        for trace in traces:
+            for r in replay(trace, measure_every=every):
+                mine.append({"measure_every": every, "seed": trace.seed, **asdict(r), "ratio": r.ratio})
+                interval = f"{_fmt(r.low)}-{_fmt(r.high)}"
+                ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
+                print(f"{trace.seed:>4} {r.tokens:>10,.0f} {_fmt(r.reported):>9} {interval:>16} "
+                      f"{r.frozen:>8,.0f} {r.frozen_stderr:>6,.0f} {ratio:>6}")
+        ratios = [r["ratio"] for r in mine if r["ratio"] is not None]
+        if ratios:
+            print(f"reported / frozen: min {min(ratios):.2f}, max {max(ratios):.2f} "
+                  f"({sum(0.75 <= x <= 1.33 for x in ratios)}/{len(mine)} checkpoints in [0.75, 1.33])")
+        rows += mine
     if args.json:
         print(json.dumps(rows))
     return 0

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from cbs_tracker import CBSTracker, NoiseScaleEstimator
+from cbs_tracker.core import collector as collector_module
 from cbs_tracker.core import session as session_module
 from cbs_tracker.core.cadence import MAX_EVERY, MeasureCadence
 from cbs_tracker.core.collector import GradStatsCollector
@@ -114,7 +115,7 @@ def test_the_controller_decides_on_measured_windows_only():
 
 
 class FakeClock:
-    """A clock the test advances: each microbatch costs 1 s per sample, 6% more in a measured window."""
+    """A clock the test advances: each microbatch costs 1 s per sample, and measuring it ``extra`` more."""
 
     def __init__(self, extra: float) -> None:
         self.now, self.extra = 0.0, extra
@@ -123,20 +124,31 @@ class FakeClock:
         return self.now
 
     def work(self, tracker) -> None:
-        self.now += MICRO * (1.0 + (self.extra if tracker._measure else 0.0))
+        self.now += MICRO
 
 
-@pytest.mark.parametrize("extra, want", [(0.06, 6), (0.004, 1), (5.0, MAX_EVERY)])
+@pytest.mark.parametrize("extra, want", [(0.06, 7), (0.004, 1), (5.0, MAX_EVERY)])
 def test_auto_picks_the_smallest_cadence_within_the_target(monkeypatch, extra, want):
+    """K + 1 norm passes of ``extra`` s per sample each in a window of K microbatches of 1 s per sample:
+    the tracker's share is (K + 1) extra / (K + (K + 1) extra) (6.98% at 0.06: one window in 7 keeps 1%)."""
     clock = FakeClock(extra)
     monkeypatch.setattr(session_module.time, "perf_counter", clock)
+    real_total = collector_module._sq_total
+
+    def sq_total(groups):  # one norm pass (K per window, and the step's): the tracker's own work
+        clock.now += MICRO * extra
+        return real_total(groups)
+
+    monkeypatch.setattr(collector_module, "_sq_total", sq_total)
     tracker, records = _run(200, clock=clock, measure_every="auto")
     assert tracker.session.cadence.every == want
     late = records[100:]
     share = sum(r.measured for r in late) / len(late)
     assert share == pytest.approx(1 / want, abs=0.02)
-    # the overhead measured by the cadence is the clock's (the target is 1%)
-    assert tracker.session.cadence.overhead == pytest.approx(extra, rel=1e-6)
+    # the share the cadence measured is the clock's (the target is 1%)
+    share_want = (ACC + 1) * extra / (ACC + (ACC + 1) * extra)
+    assert tracker.session.cadence.overhead == pytest.approx(share_want, rel=1e-6)
+    assert want == min(MAX_EVERY, math.ceil(share_want / 0.01))
 
 
 def test_cadence_state_round_trips():
@@ -201,14 +213,13 @@ def test_a_step_on_the_accelerator_path_reads_the_host_once(monkeypatch):
     assert math.isfinite(tracker.noise_scale or 0.0)
 
 
-def test_cadence_alone_alternates_while_calibrating_then_keeps_its_choice():
+def test_cadence_alone_measures_every_window_until_it_has_timed_enough():
     c = MeasureCadence("auto", 0.01)
     pattern = []
-    for w in range(40):
+    for _ in range(40):
         m = c.measure_next()
         pattern.append(m)
         c.agree(c.proposal())
-        c.window_done(m, 1.0 * (1.03 if m else 1.0))
-    assert pattern[:3] == [True, True, True]  # warm-up windows are measured and not timed
-    assert pattern[3:7] == [False, True, False, True]
-    assert c.every == 3
+        c.window_done(m, 0.025 if m else None)
+    assert pattern[:11] == [True] * 11  # 3 warm-up windows untimed, then 8 timed
+    assert c.every == 3 and pattern[11:18] == [True, False, False, True, False, False, True]

@@ -3,9 +3,13 @@
 Measuring a window costs ``K + 1`` norm passes and the hooks' work; on a small,
 launch-bound model that is several percent of a step however cheap each pass is. With
 ``measure_every=n`` one window in ``n`` is measured (the others run with hooks that return
-at once and no norm pass); ``"auto"`` times the windows, measured and not, per unit of
-data and picks the smallest ``n`` whose overhead ``(t_measured / t_plain - 1) / n`` stays at
-or below ``target``. Every rank proposes its ``n`` in the step's reduction and all adopt the
+at once and no norm pass); ``"auto"`` times the tracker's own work in each measured window
+(hooks, norm passes, the reduction; host time, which on an accelerator includes the
+kernel launches but not the kernels) against the window's wall time, and picks the
+smallest ``n`` whose share ``median(own / window) / n`` stays at or below ``target``.
+Timing the tracker's own work directly, rather than comparing measured with unmeasured
+windows, keeps the choice stable on a machine whose step times wander by several
+percent. Every rank proposes its ``n`` in the step's reduction and all adopt the
 rounded-up mean, so the ranks always agree on which window is measured.
 """
 
@@ -22,9 +26,9 @@ __all__ = ["MeasureCadence", "check_measure_every"]
 MAX_EVERY = 64
 #: windows at the start not timed (first calls allocate, compile and warm caches)
 _WARMUP = 3
-#: windows of each kind timed before ``"auto"`` chooses (it alternates until then)
+#: measured windows timed before ``"auto"`` chooses (every window is measured until then)
 _CALIBRATION = 8
-#: recent windows of each kind whose median time is compared
+#: recent measured windows whose median share is used
 _MEMORY = 16
 
 
@@ -51,36 +55,29 @@ class MeasureCadence:
         self.every = 1 if self.auto else int(measure_every)
         self._since = 0  # windows since the last measured one
         self._windows = 0
-        self._times: dict[bool, deque[float]] = {True: deque(maxlen=_MEMORY), False: deque(maxlen=_MEMORY)}
-        self.overhead: float | None = None  # measured window's extra time per unit, as a fraction
-
-    @property
-    def calibrating(self) -> bool:
-        return self.auto and min(len(self._times[True]), len(self._times[False])) < _CALIBRATION
+        self._shares: deque[float] = deque(maxlen=_MEMORY)
+        #: the median share of a measured window's time that was the tracker's own work
+        self.overhead: float | None = None
 
     def measure_next(self) -> bool:
         """Whether the window about to start is measured (the same answer on every rank)."""
         if self._windows == 0:
             return True  # the run's first window is always measured
-        if self.calibrating and self._windows >= _WARMUP:
-            return self._windows % 2 == 0  # alternate while the two kinds are timed
         return self._since + 1 >= self.every
 
-    def window_done(self, measured: bool, seconds_per_unit: float | None) -> None:
-        """Count a finished window; time it (``None``: no timing, e.g. the first window)."""
+    def window_done(self, measured: bool, own_share: float | None) -> None:
+        """Count a finished window; ``own_share``: the tracker's share of a measured window's time."""
         self._windows += 1
         self._since = 0 if measured else self._since + 1
-        if self.auto and seconds_per_unit is not None and self._windows > _WARMUP:
-            if math.isfinite(seconds_per_unit) and seconds_per_unit > 0:
-                self._times[measured].append(seconds_per_unit)
+        if self.auto and measured and own_share is not None and self._windows > _WARMUP:
+            if math.isfinite(own_share) and own_share >= 0:
+                self._shares.append(own_share)
 
     def proposal(self) -> float:
         """This rank's ``n`` for the windows ahead (``"auto"``: from its timings)."""
-        if not self.auto or self.calibrating:
+        if not self.auto or len(self._shares) < _CALIBRATION:
             return float(self.every)
-        plain = statistics.median(self._times[False])
-        extra = statistics.median(self._times[True]) / plain - 1.0
-        self.overhead = max(extra, 0.0)
+        self.overhead = statistics.median(self._shares)
         return float(min(MAX_EVERY, max(1, math.ceil(self.overhead / self.target - 1e-6))))
 
     def agree(self, mean_proposal: float) -> None:

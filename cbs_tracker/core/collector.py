@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ class StepStats:
         measured: the window's norms were measured on every rank (``False``: a window the
             measuring cadence let pass; only the counts are meaningful).
         proposed_every: the ranks' mean proposal for the measuring cadence.
+        own_seconds: host seconds this rank spent in the tracker's measurement of the window
+            (hooks, norms, the reduction): what ``measure_every="auto"`` weighs.
     """
 
     small_sq_norm: float
@@ -75,6 +78,7 @@ class StepStats:
     synced_sq_norm: float = math.nan
     measured: bool = True
     proposed_every: float = math.nan
+    own_seconds: float = 0.0
 
 
 class AdamPreconditioner:
@@ -230,6 +234,8 @@ class GradStatsCollector:
         # sizes given as numbers stay on the host until the step (no copy per microbatch)
         self._micro_size: list[torch.Tensor | float] = []
         self.window_unmeasurable = False
+        #: host seconds spent measuring the current window (hooks, norms), since reset_window
+        self.own_seconds = 0.0
         #: hook calls seen by the last finished microbatch (0: its backward ran outside it,
         #: or nothing required grad)
         self.hooks_fired_in_last_microbatch = 0
@@ -273,9 +279,11 @@ class GradStatsCollector:
             if self._from_grad:  # read from .grad when the microbatch ends
                 self._hooks_this_microbatch += 1
                 return
+            t0 = time.perf_counter()
             with self._lock:
                 self._hooks_this_microbatch += 1
                 self._file(param, grad)
+            self.own_seconds += time.perf_counter() - t0
 
         return fn
 
@@ -405,6 +413,7 @@ class GradStatsCollector:
         if not measure:
             self._passive = True
             return
+        t0 = time.perf_counter()
         # a post-accumulate-grad hook may change .grad before it is read (per-parameter clipping,
         # an optimizer step in backward): those parameters keep the hooks' own checks
         self._from_grad = unsynced and not self._eager and all(
@@ -414,6 +423,7 @@ class GradStatsCollector:
         self._norms = {}
         self._skipped = False
         self._hooks_this_microbatch = 0
+        self.own_seconds += time.perf_counter() - t0
 
     def end_microbatch(self, size: torch.Tensor | float) -> None:
         """Close the microbatch; ``size`` is its loss-contributing units (tokens or samples).
@@ -427,6 +437,7 @@ class GradStatsCollector:
             self._micro_sq.append(_HOST_ZERO)  # a placeholder: a window not measured takes no norm
             self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
             return
+        t0 = time.perf_counter()
         with self._lock:
             if self._from_grad:
                 self._reduce_grads()
@@ -445,6 +456,7 @@ class GradStatsCollector:
             sq = _sq_total(groups.values())
         self._micro_sq.append(sq)
         self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
+        self.own_seconds += time.perf_counter() - t0
 
     @property
     def num_microbatches(self) -> int:
@@ -523,6 +535,7 @@ class GradStatsCollector:
         return [total_sq, count, inv_sum, units, invalid, per_unit_sq]
 
     def reset_window(self) -> None:
+        self.own_seconds = 0.0
         self._micro_sq = []
         self._micro_size = []
         self.window_unmeasurable = False

@@ -8,7 +8,9 @@ host sync per optimizer step; :func:`unscale_and_get_scale` handles AMP.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +134,34 @@ def reduce_window(
     """
     if normalization not in LOSS_NORMALIZATIONS:
         raise ValueError(f"reduce_window(normalization={normalization!r}): must be one of {LOSS_NORMALIZATIONS}")
+    t0 = time.perf_counter()
+    stats, faults = _reduce(collector, big_params, dp_group=dp_group, loss_divisor=loss_divisor, avg_ranks=avg_ranks,
+                            scale=scale, transform=transform, big_norm_is_sharded=big_norm_is_sharded,
+                            expected_microbatches=expected_microbatches, normalization=normalization,
+                            units_divisor=units_divisor, big_is_scaled=big_is_scaled, measured=measured,
+                            proposed_every=proposed_every)
+    own = collector.own_seconds + (time.perf_counter() - t0) if measured else 0.0
+    return dataclasses.replace(stats, own_seconds=own), faults
+
+
+def _reduce(
+    collector: GradStatsCollector,
+    big_params: Iterable[nn.Parameter],
+    *,
+    dp_group: Any | None,
+    loss_divisor: float,
+    avg_ranks: int,
+    scale: torch.Tensor | None,
+    transform: GradTransform | None,
+    big_norm_is_sharded: bool,
+    expected_microbatches: int | None,
+    normalization: str,
+    units_divisor: torch.Tensor | float | None,
+    big_is_scaled: bool,
+    measured: bool,
+    proposed_every: float,
+) -> tuple[StepStats, WindowFaults]:
+    """:func:`reduce_window` without its bookkeeping of time."""
     big = local_grad_sq_norm(big_params, transform) if measured else None
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)

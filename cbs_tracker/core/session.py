@@ -265,7 +265,6 @@ class TrackingSession:
         """
         now = time.perf_counter()
         start = self._window_start if self._window_start is not None else self._last_finish
-        per_unit = None if start is None or stats.units <= 0 else (now - start) / stats.units
         self._last_finish, self._window_start = now, None
         faults = faults or WindowFaults()
         self._check_faults(stats, faults, window_accumulation, mismatch_is_fatal)
@@ -280,7 +279,11 @@ class TrackingSession:
         else:  # the controller decides on measured windows only
             self.changed_this_step = False
             critical = getattr(self.last_decision, "critical_batch", None)
-        self.cadence.window_done(measured, per_unit)
+        if start is not None and measured:
+            own = stats.own_seconds + (time.perf_counter() - now)  # and this bookkeeping
+            self.cadence.window_done(True, own / max(time.perf_counter() - start, 1e-12))
+        else:
+            self.cadence.window_done(measured, None)
         self.cadence.agree(stats.proposed_every)
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = float(self.optimizer.param_groups[0]["lr"])
