@@ -17,17 +17,45 @@ def _env():
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def test_main_job_runs_and_prints_the_noise_scale():
+def test_main_job_runs_and_prints_the_noise_scale(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "cbs_tracker.cli", "demo", "--tokens", "6e4", "--max-bytes", "300000", "--print-every", "20"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300, check=True,
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300, check=True,
     ).stdout
-    assert "noise_scale" in out
-    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+[\d,]+\s+\d", line)]
-    assert rows, out
+    # without a terminal: a plain progress line every 20 steps
+    rows = re.findall(r"step +(\d+) +([\d.]+[kM])/60k tokens +loss ([\d.]+) +noise scale ([\d,]+|-) .* tok/s", out)
+    assert [int(r[0]) for r in rows][:3] == [20, 40, 60], out
     measured = [float(r[3].replace(",", "")) for r in rows if r[3] != "-"]
     assert measured and all(m > 0 for m in measured)
-    assert re.search(r"done: \d+ steps, [\d,]+ tokens", out)
+    assert re.search(r"done: \d+ optimizer steps, [\d,]+ tokens", out)
+    # 60k tokens are too few to grow: the demo says why, with the numbers
+    assert re.search(r"no batch change: a doubling needs the critical batch .* at 1,126 tokens or more", out), out
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "picture of the run: demo.png" in out
+
+
+def test_demo_progress_line_and_change_line_on_a_terminal():
+    import io
+
+    from cbs_tracker.commands.demo import Progress
+    from cbs_tracker.core.record import StepRecord
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    progress = Progress(1.2e6, 50, stream=out)
+    rec = StepRecord(step=7, tokens_seen=6e5, unit="tokens", global_batch=1024.0, micro_batch=256.0,
+                     accumulation_steps=4, dp_degree=1, noise_scale=2455.0, noise_scale_low=1867.0,
+                     noise_scale_high=4060.0)
+    progress.update(rec, 2.5)
+    progress.say("step 7, 600k tokens: global batch 512 -> 1,024 tokens (grow)")
+    text = out.getvalue()
+    assert text.startswith("\r[##########----------]  50% 600k/1.20M tokens  loss 2.500  noise scale 2,455 "
+                           "(1,867-4,060)  batch 1,024"), text
+    # the live line is cleared before a line that stays
+    assert "\r\x1b[Kstep 7, 600k tokens: global batch 512 -> 1,024 tokens (grow)\n" in text
 
 
 def test_plain_loop_example_doubles_writes_logs_and_a_png(tmp_path):

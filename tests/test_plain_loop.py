@@ -81,3 +81,55 @@ def test_two_gloo_ranks_with_different_data_take_identical_decisions(tmp_path):
         assert a["noise_scale"] == b["noise_scale"]  # bitwise: decided from all-reduced values only
         # the global batch counts both ranks' samples
         assert a["global_batch"] == a["samples_fed"] + b["samples_fed"]
+
+
+# ---------------------------------------------------------------------------- LR set by the loop itself
+def _nanogpt_style(use_set_lr: bool, steps: int = 8):
+    """A loop that computes its LR every iteration (nanoGPT's get_lr), with a plan that doubles at step 3."""
+    import warnings
+
+    import torch
+
+    from cbs_tracker import CBSTracker
+    from tests.doubles import PlanController
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    tracker = CBSTracker(model, opt, accumulation_steps=2, unit="samples", controller=PlanController({3: 4}))
+
+    def get_lr(it: int) -> float:
+        return 1e-3 * (1.0 - it / 100)
+
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for it in range(steps):
+            if use_set_lr:
+                tracker.set_lr(get_lr(tracker.starting_batch_steps))
+            else:
+                for g in opt.param_groups:
+                    g["lr"] = get_lr(it)
+            for _ in range(tracker.accumulation_steps):
+                with tracker.microbatch(size=4):
+                    (model(torch.randn(4, 4)).pow(2).mean() / tracker.accumulation_steps).backward()
+            tracker.step()
+            seen.append((tracker.starting_batch_steps, opt.param_groups[0]["lr"], tracker.lr_coupling))
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught if "set from outside" in str(w.message)], seen, get_lr
+
+
+def test_a_loop_that_sets_the_lr_itself_is_told_once_what_to_do():
+    messages, _, _ = _nanogpt_style(use_set_lr=False)
+    assert len(messages) == 1
+    assert "tracker.set_lr(schedule(tracker.starting_batch_steps))" in messages[0]
+
+
+def test_set_lr_clocks_the_schedule_in_starting_batch_steps_and_keeps_the_coupling():
+    messages, seen, get_lr = _nanogpt_style(use_set_lr=True)
+    assert messages == []
+    # after the doubling each step holds two starting-batch steps, and the LR carries sqrt(2) (AdamW)
+    assert seen[-1][2] == pytest.approx(2**0.5)
+    for (sbs_after, lr, coupling), (sbs_before, _, _) in zip(seen[1:], seen[:-1]):
+        assert lr == pytest.approx(get_lr(sbs_before) * coupling, rel=1e-12)

@@ -4,14 +4,16 @@ Trains the ~0.45M-parameter GPT of :mod:`cbs_tracker.demo.gpt` on the running
 Python's own standard library (no download) with a plain PyTorch loop driven by
 :class:`~cbs_tracker.CBSTracker` and the default
 :class:`~cbs_tracker.BatchSizeController`, and prints the measured noise scale,
-the critical batch and the global batch as it goes. About a minute on one CPU
-thread with the defaults.
+the critical batch and the global batch as it goes (a live line on a terminal),
+says why at each batch change, and draws the run at the end. About two minutes on
+one CPU thread with the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -50,10 +52,86 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=None, help="use only the first N bytes of the corpus")
     p.add_argument("--observe-only", action="store_true", help="measure, never change the batch")
     p.add_argument("--logdir", default=None, help="also write TensorBoard logs here (needs tensorboard)")
-    p.add_argument("--print-every", type=positive_int, default=25, help="print a line every N optimizer steps")
+    p.add_argument("--print-every", type=positive_int, default=50,
+                   help="without a terminal, print a line every N optimizer steps (default 50)")
+    p.add_argument("--plot", default="demo.png",
+                   help="picture of the run written at the end (default demo.png; needs matplotlib)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the picture")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _short(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+class Progress:
+    """One live line on a terminal (a bar), a plain line every ``every`` steps elsewhere."""
+
+    def __init__(self, budget: float, every: int, stream=None) -> None:
+        self.budget, self.every = budget, every
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.perf_counter()
+        self._live = False
+
+    def line(self, record, loss: float) -> str:
+        rate = record.tokens_seen / max(time.perf_counter() - self.start, 1e-9)
+        ns = "-" if record.noise_scale is None else f"{record.noise_scale:,.0f}"
+        interval = format_interval(record.noise_scale_low, record.noise_scale_high)
+        return (f"{_short(record.tokens_seen)}/{_short(self.budget)} tokens  loss {loss:.3f}  noise scale {ns} "
+                f"({interval})  batch {record.global_batch:,.0f}  {rate:,.0f} tok/s")
+
+    def update(self, record, loss: float) -> None:
+        if self.tty:
+            frac = min(1.0, record.tokens_seen / self.budget)
+            bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
+            self.stream.write(f"\r[{bar}] {frac:4.0%} {self.line(record, loss)}\x1b[K")
+            self.stream.flush()
+            self._live = True
+        elif record.step % self.every == 0:
+            print(f"step {record.step:>5}  {self.line(record, loss)}", file=self.stream, flush=True)
+
+    def say(self, text: str) -> None:
+        """A line that stays (the live line, if any, is redrawn after it)."""
+        if self._live:
+            self.stream.write("\r\x1b[K")
+            self._live = False
+        print(text, file=self.stream, flush=True)
+
+
+def _change_reason(tracker) -> str:
+    decision = getattr(tracker.session, "last_decision", None)
+    reason = getattr(decision, "reason", "") or ""
+    return f" ({reason})" if reason else ""
+
+
+def _runs_from_records(records) -> dict:
+    """The records as ``cbs-tracker plot`` reads them from TensorBoard: ``{tag: (steps, values)}``."""
+    import numpy as np
+
+    from cbs_tracker.core.tags import record_scalars
+
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for r in records:
+        for tag, value in record_scalars(r).items():
+            steps, values = series.setdefault(tag, ([], []))
+            steps.append(r.step)
+            values.append(value)
+    return {"demo": {t: (np.asarray(s), np.asarray(v, dtype=np.float64)) for t, (s, v) in series.items()}}
+
+
+def draw(records, path: str) -> str:
+    """Write the run's picture; returns what happened, in words."""
+    try:
+        from cbs_tracker.commands.plot import draw_schedule
+
+        fig = draw_schedule(_runs_from_records(records), title="cbs-tracker demo")
+    except ImportError:
+        return "no picture: matplotlib is not installed (pip install 'cbs-tracker[plot]')"
+    fig.savefig(path, dpi=110)
+    return f"picture of the run: {path}"
 
 
 def main(argv: list[str]) -> int:
@@ -74,15 +152,15 @@ def main(argv: list[str]) -> int:
     tracker = CBSTracker(
         model, optimizer, accumulation_steps=args.accumulation, controller=controller, logger=logger
     )
+    start_batch = args.accumulation * micro_tokens
     print(
         f"cbs-tracker demo: GPT {model.num_parameters() / 1e6:.2f}M params on {corpus.num_files} stdlib files "
-        f"({corpus.num_bytes / 1e6:.1f} MB), microbatch {micro_tokens} tokens, budget {args.tokens / 1e6:.2f}M tokens"
+        f"({corpus.num_bytes / 1e6:.1f} MB); batch starts at {start_batch:,} tokens ({args.accumulation} x "
+        f"{micro_tokens}); budget {args.tokens / 1e6:.2f}M tokens"
     )
-    print(
-        f"{'step':>6} {'tokens':>9} {'loss':>6} {'noise_scale':>11} {'90% interval':>15} {'critical':>9} "
-        f"{'global_batch':>12} {'A':>3}"
-    )
-    start = time.perf_counter()
+    progress = Progress(args.tokens, args.print_every)
+    records = []
+    changes = 0
     last_loss = math.nan
     while tracker.tokens_seen < args.tokens:
         total = 0.0
@@ -97,26 +175,39 @@ def main(argv: list[str]) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        changed = record.next_accumulation_steps != record.accumulation_steps
-        if record.step % args.print_every == 0 or changed:
-            ns = "-" if record.noise_scale is None else f"{record.noise_scale:,.0f}"
-            interval = format_interval(record.noise_scale_low, record.noise_scale_high)
-            cb = "-" if record.critical_batch is None else f"{record.critical_batch:,.0f}"
-            note = f"  -> A={record.next_accumulation_steps}" if changed else ""
-            print(
-                f"{record.step:>6} {record.tokens_seen:>9,.0f} {last_loss:>6.3f} {ns:>11} {interval:>15} {cb:>9} "
-                f"{record.global_batch:>12,.0f} {record.accumulation_steps:>3}{note}",
-                flush=True,
+        records.append(record)
+        progress.update(record, last_loss)
+        if record.next_accumulation_steps != record.accumulation_steps:
+            changes += 1
+            new = record.next_accumulation_steps * micro_tokens
+            progress.say(
+                f"step {record.step}, {_short(record.tokens_seen)} tokens: global batch "
+                f"{record.global_batch:,.0f} -> {new:,} tokens{_change_reason(tracker)}"
             )
+    elapsed = time.perf_counter() - progress.start
+    progress.say(progress.line(record, last_loss))
     val = evaluate(model, corpus.val, seq_len=args.seq_len, num_sequences=128)
-    elapsed = time.perf_counter() - start
     ns = tracker.noise_scale
+    final = tracker.accumulation_steps * micro_tokens
     print(
-        f"done: {tracker.steps} steps, {tracker.tokens_seen:,.0f} tokens in {elapsed:.0f}s "
+        f"done: {tracker.steps} optimizer steps, {tracker.tokens_seen:,.0f} tokens in {elapsed:.0f}s "
         f"({tracker.tokens_seen / elapsed:,.0f} tokens/s); val loss {val:.3f} nats/byte; "
-        f"noise scale {'-' if ns is None else f'{ns:,.0f}'} tokens; final global batch "
-        f"{tracker.accumulation_steps * micro_tokens:,} tokens"
+        f"noise scale {'-' if ns is None else f'{ns:,.0f}'} tokens "
+        f"(90% interval {format_interval(*(tracker.noise_scale_interval or (None, None)))}); "
+        f"global batch {start_batch:,} -> {final:,} tokens"
     )
+    if changes == 0:
+        if args.observe_only:
+            print("no batch change: --observe-only")
+        else:
+            need = 2 * start_batch * (1 + controller.margin)
+            have = "not measured yet" if ns is None else f"{controller.kappa:g} x {ns:,.0f} = {controller.kappa * ns:,.0f}"
+            print(f"no batch change: a doubling needs the critical batch (kappa x the measured noise scale, and kappa "
+                  f"x the lower end of its 90% interval) at {need:,.0f} tokens or more for {controller.patience} "
+                  f"measurements in a row, after a warm-up; at the end it was {have} tokens. A longer run "
+                  f"(--tokens) lets the noise scale rise")
+    if not args.no_plot:
+        print(draw(records, args.plot))
     if logger is not None:
         logger.close()
     return 0

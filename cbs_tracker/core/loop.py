@@ -154,6 +154,7 @@ class LoopTracker:
             measure_every=measure_every,
             measure_target=measure_target,
         )
+        self.session.detect_outside_lr = optimizer is not None
         self._module = self._unwrap(model)
         self._all_params: list[nn.Parameter] = list(self._module.parameters())
         self._avg_ranks = self._averaging_ranks(grads_averaged_over_ranks)
@@ -427,6 +428,32 @@ class LoopTracker:
         return self.session.finish_step(
             stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()
         )
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of a loop that computes its own schedule: ``lr`` times the coupling.
+
+        For loops that set the LR every iteration (nanoGPT-style): clock the schedule in
+        starting-batch steps and hand its value here,
+        ``tracker.set_lr(get_lr(tracker.starting_batch_steps))``; every param group gets
+        ``lr * tracker.lr_coupling`` (scaled by each group's ratio to the first group's
+        current LR, so per-group multipliers are kept). Writing ``param_group["lr"]``
+        directly instead overwrites the batch-size coupling, which the tracker warns about
+        once the batch has grown.
+
+        Raises:
+            ValueError: ``lr`` is negative or not finite; no optimizer was given.
+        """
+        name = type(self).__name__
+        if self.optimizer is None:
+            raise ValueError(f"{name}.set_lr({lr!r}): the tracker was built without an optimizer")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"{name}.set_lr(lr={lr!r}): must be a finite number >= 0")
+        groups = self.optimizer.param_groups
+        first = float(groups[0]["lr"])
+        for g in groups:
+            ratio = float(g["lr"]) / first if first > 0 else 1.0
+            g["lr"] = float(lr) * self.session.coupling * ratio
+        self.session._note_lr()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the tracked parameters, reusing the norm :meth:`step` took.

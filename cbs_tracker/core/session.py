@@ -150,6 +150,10 @@ class TrackingSession:
         self._warn_fn = warn
         self.cadence = MeasureCadence(measure_every, measure_target, owner=owner)
         self._last_finish: float | None = None
+        #: warn when the learning rate was changed between two steps by someone else (plain loops)
+        self.detect_outside_lr = False
+        self._lr_left: float | None = None  # the first group's LR as the tracker last left it
+        self._timer_writes = 0
         self._window_start: float | None = None
         self.timer: ScheduleTimer | None = None
         self._pending_schedule_state: dict[str, Any] | None = None
@@ -228,6 +232,7 @@ class TrackingSession:
             peak = float(group.get("max_lr", group.get("initial_lr", lr_now / old)))
             ratio = min(ratio, max(1.0, peak / lr_now)) if lr_now > 0 else ratio
         apply_lr_factor(self.optimizer, ratio)
+        self._note_lr()
 
     # ------------------------------------------------------------------ the step
     def start_window(self) -> bool:
@@ -263,6 +268,7 @@ class TrackingSession:
             RuntimeError: a rank ran a window of another size than the tracker set
                 (multi-rank), or a microbatch size was negative or not finite.
         """
+        self._check_outside_lr()
         now = time.perf_counter()
         start = self._window_start if self._window_start is not None else self._last_finish
         self._last_finish, self._window_start = now, None
@@ -317,7 +323,37 @@ class TrackingSession:
         self.last_record = record
         if self.logger is not None:
             self.logger.log(record)
+        self._note_lr()
         return record
+
+    def _note_lr(self) -> None:
+        """Remember the learning rate as the tracker leaves it (after a step, a coupling, a timed schedule)."""
+        groups = getattr(self.optimizer, "param_groups", None)
+        self._lr_left = float(groups[0]["lr"]) if groups else None
+        self._timer_writes = 0 if self.timer is None else self.timer.writes
+
+    def _check_outside_lr(self) -> None:
+        """Warn once when a loop set the learning rate itself while the batch has grown (plain loops)."""
+        if not self.detect_outside_lr or self._lr_left is None or self.optimizer is None:
+            return
+        if self.timer is not None and self.timer.writes != self._timer_writes:
+            self._note_lr()  # the timed schedule stepped: what it wrote is the tracker's
+            return
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        grown = self.accumulation_steps != self.starting_accumulation or self.coupling != 1.0
+        if grown and not math.isclose(lr, self._lr_left, rel_tol=1e-6, abs_tol=0.0):
+            self.warn_once(
+                "outside_lr",
+                f"{self.owner}: the learning rate was set from outside the tracker between two steps ({lr:.4g}; "
+                f"the tracker left {self._lr_left:.4g}) while the batch is {self.accumulation_steps} microbatches per "
+                f"rank instead of {self.starting_accumulation}. A schedule clocked in optimizer steps now falls "
+                f"behind the data, and the batch-size coupling (x{self.coupling:.4g}) is overwritten. Either pass "
+                "lr_scheduler= to the tracker (and call scheduler.step() once per optimizer step), or replace the "
+                "assignment by `tracker.set_lr(schedule(tracker.starting_batch_steps))`: the schedule clocked in "
+                "starting-batch steps, times tracker.lr_coupling; and end the loop at "
+                "tracker.starting_batch_steps >= max_iters.",
+            )
+
 
     def _ran_per_rank(self, run: int, window_accumulation: int) -> int:
         """Microbatches per rank the window really ran (a short or mis-sized window says so); the

@@ -172,6 +172,7 @@ class ScheduleTimer:
         self.cap_at_peak = bool(cap_at_peak)
         self.coupling = 1.0
         self.owed = 0
+        self.writes = 0
         self._plateau = type(scheduler).__name__ == "ReduceLROnPlateau"
         groups = optimizer.param_groups
         self.scheduled = [float(g["lr"]) for g in groups]
@@ -228,6 +229,7 @@ class ScheduleTimer:
             if self.cap_at_peak and self.coupling > 1.0:
                 lr = min(lr, max(self.peak[i], self.scheduled[i]))
             g["lr"] = _set(g["lr"], lr)
+        self.writes += 1  # the session tells its own writes from a loop's
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
