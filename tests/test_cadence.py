@@ -223,3 +223,16 @@ def test_cadence_alone_measures_every_window_until_it_has_timed_enough():
         c.window_done(m, 0.025 if m else None)
     assert pattern[:11] == [True] * 11  # 3 warm-up windows untimed, then 8 timed
     assert c.every == 3 and pattern[11:18] == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("floor, want", [(0.0, 7), (0.005, 13), (0.01, MAX_EVERY)])
+def test_auto_counts_what_the_windows_not_measured_cost(floor, want):
+    """Mean share (m + (n - 1) u) / n <= 1%: m = 6.98% measured, u the bookkeeping of the others."""
+    c = MeasureCadence("auto", 0.01)
+    for _ in range(40):
+        m = c.measure_next()
+        c.agree(c.proposal())
+        c.window_done(m, 0.0698 if m else floor)
+    assert c.every == want
+    if want < MAX_EVERY:
+        assert (0.0698 + (want - 1) * floor) / want <= 0.01 < (0.0698 + (want - 2) * floor) / (want - 1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "docs" / "results.md").read_text()  # the result tables live there
 
 
 def _overhead_module():

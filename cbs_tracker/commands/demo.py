@@ -5,8 +5,8 @@ Python's own standard library (no download) with a plain PyTorch loop driven by
 :class:`~cbs_tracker.CBSTracker` and the default
 :class:`~cbs_tracker.BatchSizeController`, and prints the measured noise scale,
 the critical batch and the global batch as it goes (a live line on a terminal),
-says why at each batch change, and draws the run at the end. About two minutes on
-one CPU thread with the defaults.
+says why at each batch change, and draws the run at the end. About three minutes
+on one CPU thread with the defaults.
 """
 
 from __future__ import annotations

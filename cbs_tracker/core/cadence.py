@@ -3,10 +3,11 @@
 Measuring a window costs ``K + 1`` norm passes and the hooks' work; on a small,
 launch-bound model that is several percent of a step however cheap each pass is. With
 ``measure_every=n`` one window in ``n`` is measured (the others run with hooks that return
-at once and no norm pass); ``"auto"`` times the tracker's own work in each measured window
-(hooks, norm passes, the reduction; host time, which on an accelerator includes the
-kernel launches but not the kernels) against the window's wall time, and picks the
-smallest ``n`` whose share ``median(own / window) / n`` stays at or below ``target``.
+at once and no norm pass); ``"auto"`` times the tracker's own work in each window (hooks,
+norm passes, the reduction, its bookkeeping; host time, which on an accelerator includes
+the kernel launches but not the kernels) against the window's wall time, and picks the
+smallest ``n`` whose mean share ``(m + (n - 1) u) / n`` stays at or below ``target``, ``m``
+and ``u`` the median shares of measured and unmeasured windows.
 Timing the tracker's own work directly, rather than comparing measured with unmeasured
 windows, keeps the choice stable on a machine whose step times wander by several
 percent. Every rank proposes its ``n`` in the step's reduction and all adopt the
@@ -55,9 +56,12 @@ class MeasureCadence:
         self.every = 1 if self.auto else int(measure_every)
         self._since = 0  # windows since the last measured one
         self._windows = 0
-        self._shares: deque[float] = deque(maxlen=_MEMORY)
+        self._shares: deque[float] = deque(maxlen=_MEMORY)  # measured windows
+        self._plain: deque[float] = deque(maxlen=_MEMORY)  # windows not measured
         #: the median share of a measured window's time that was the tracker's own work
         self.overhead: float | None = None
+        #: the same for the windows not measured (counts, bookkeeping)
+        self.floor: float | None = None
 
     def measure_next(self) -> bool:
         """Whether the window about to start is measured (the same answer on every rank)."""
@@ -69,16 +73,21 @@ class MeasureCadence:
         """Count a finished window; ``own_share``: the tracker's share of a measured window's time."""
         self._windows += 1
         self._since = 0 if measured else self._since + 1
-        if self.auto and measured and own_share is not None and self._windows > _WARMUP:
+        if self.auto and own_share is not None and self._windows > _WARMUP:
             if math.isfinite(own_share) and own_share >= 0:
-                self._shares.append(own_share)
+                (self._shares if measured else self._plain).append(own_share)
 
     def proposal(self) -> float:
         """This rank's ``n`` for the windows ahead (``"auto"``: from its timings)."""
         if not self.auto or len(self._shares) < _CALIBRATION:
             return float(self.every)
-        self.overhead = statistics.median(self._shares)
-        return float(min(MAX_EVERY, max(1, math.ceil(self.overhead / self.target - 1e-6))))
+        self.overhead = m = statistics.median(self._shares)
+        self.floor = u = statistics.median(self._plain) if self._plain else 0.0
+        if m <= self.target:
+            return 1.0
+        if u >= self.target:
+            return float(MAX_EVERY)  # the windows not measured alone cost the target: measure as rarely as allowed
+        return float(min(MAX_EVERY, max(1, math.ceil((m - u) / (self.target - u) - 1e-6))))
 
     def agree(self, mean_proposal: float) -> None:
         """Adopt the ranks' mean proposal, rounded up (identical on every rank)."""

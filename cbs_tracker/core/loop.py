@@ -364,7 +364,8 @@ class LoopTracker:
         self.session.apply_pending()
         self._measure = self.session.start_window()
         self._window_divisor = self.session.accumulation_steps
-        self._refresh_params()
+        if self._measure:  # a window not measured reads no gradient: parameters are looked at when one is
+            self._refresh_params()
 
     def step(self) -> StepRecord:
         """Measure the step that just finished its backward passes; call before clipping.

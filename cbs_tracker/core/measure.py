@@ -140,7 +140,7 @@ def reduce_window(
                             expected_microbatches=expected_microbatches, normalization=normalization,
                             units_divisor=units_divisor, big_is_scaled=big_is_scaled, measured=measured,
                             proposed_every=proposed_every)
-    own = collector.own_seconds + (time.perf_counter() - t0) if measured else 0.0
+    own = (collector.own_seconds if measured else 0.0) + (time.perf_counter() - t0)
     return dataclasses.replace(stats, own_seconds=own), faults
 
 

@@ -285,9 +285,9 @@ class TrackingSession:
         else:  # the controller decides on measured windows only
             self.changed_this_step = False
             critical = getattr(self.last_decision, "critical_batch", None)
-        if start is not None and measured:
+        if start is not None:
             own = stats.own_seconds + (time.perf_counter() - now)  # and this bookkeeping
-            self.cadence.window_done(True, own / max(time.perf_counter() - start, 1e-12))
+            self.cadence.window_done(measured, own / max(time.perf_counter() - start, 1e-12))
         else:
             self.cadence.window_done(measured, None)
         self.cadence.agree(stats.proposed_every)
