@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--max-bytes", type=int, default=None, help="use only the first N bytes of the corpus")
     p.add_argument("--observe-only", action="store_true", help="measure, never change the batch")
+    p.add_argument("--max-microbatch", type=positive_int, default=None,
+                   help="grow the microbatch first, up to this many sequences (default: grow the accumulation only)")
     p.add_argument("--logdir", default=None, help="also write TensorBoard logs here (needs tensorboard)")
     p.add_argument("--print-every", type=positive_int, default=50,
                    help="without a terminal, print a line every N optimizer steps (default 50)")
@@ -150,7 +152,8 @@ def main(argv: list[str]) -> int:
         logger = TensorBoardLogger(args.logdir)
     controller = BatchSizeController(observe_only=args.observe_only)
     tracker = CBSTracker(
-        model, optimizer, accumulation_steps=args.accumulation, controller=controller, logger=logger
+        model, optimizer, accumulation_steps=args.accumulation, controller=controller, logger=logger,
+        max_microbatch=args.max_microbatch,
     )
     start_batch = args.accumulation * micro_tokens
     print(
@@ -162,15 +165,17 @@ def main(argv: list[str]) -> int:
     records = []
     changes = 0
     last_loss = math.nan
-    while tracker.tokens_seen < args.tokens:
+    batches = iter(lambda: stream.next_batch(args.micro_sequences), None)  # an endless loader
+    for window in tracker.windows(batches):
+        if tracker.tokens_seen >= args.tokens:
+            break
         total = 0.0
-        for _ in range(tracker.accumulation_steps):
-            x, y = stream.next_batch(args.micro_sequences)
+        for x, y in window:
             with tracker.microbatch(labels=y):
                 _, loss = model(x, y)
                 (loss / tracker.accumulation_steps).backward()
             total += float(loss.detach())
-        last_loss = total / tracker.accumulation_steps
+        last_loss = total / len(window)
         record = tracker.step()  # after backward, before clipping
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -180,15 +185,17 @@ def main(argv: list[str]) -> int:
         if record.next_accumulation_steps != record.accumulation_steps:
             changes += 1
             new = record.next_accumulation_steps * micro_tokens
+            layout = f"; {tracker.accumulation_steps} x {tracker.microbatch_batches * micro_tokens:,}-token microbatches"
             progress.say(
                 f"step {record.step}, {_short(record.tokens_seen)} tokens: global batch "
                 f"{record.global_batch:,.0f} -> {new:,} tokens{_change_reason(tracker)}"
+                + (layout if args.max_microbatch else "")
             )
     elapsed = time.perf_counter() - progress.start
     progress.say(progress.line(record, last_loss))
     val = evaluate(model, corpus.val, seq_len=args.seq_len, num_sequences=128)
     ns = tracker.noise_scale
-    final = tracker.accumulation_steps * micro_tokens
+    final = tracker.accumulation_steps * tracker.microbatch_batches * micro_tokens
     print(
         f"done: {tracker.steps} optimizer steps, {tracker.tokens_seen:,.0f} tokens in {elapsed:.0f}s "
         f"({tracker.tokens_seen / elapsed:,.0f} tokens/s); val loss {val:.3f} nats/byte; "

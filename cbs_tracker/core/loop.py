@@ -8,6 +8,7 @@ microbatch. A pending accumulation takes effect at the next window's start.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -78,6 +79,12 @@ class LoopTracker:
             timings of measured and unmeasured windows. The estimate's interval widens
             with fewer measured units; the controller decides on measured windows only.
         measure_target: the share of the step time ``"auto"`` allows (default 0.01).
+        max_microbatch: grow the microbatch before the accumulation, up to this many
+            sequences (the data loader's leading dimension) per microbatch and rank;
+            ``None`` (default) keeps the microbatch and grows the accumulation only. The
+            loop then takes its windows from :meth:`windows`, which joins the loader's
+            batches into microbatches of the current size; with one rank at least two
+            microbatches per window remain, so the noise scale stays measurable.
 
     Raises:
         ValueError / TypeError: on bad configuration (the message names the argument).
@@ -111,6 +118,7 @@ class LoopTracker:
         cap_lr_at_peak: bool = False,
         measure_every: int | str = 1,
         measure_target: float = 0.01,
+        max_microbatch: int | None = None,
     ) -> None:
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -125,6 +133,10 @@ class LoopTracker:
             raise TypeError(f"{name}(grad_scaler={type(grad_scaler).__name__}): expected a torch.amp.GradScaler")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"{name}(ignore_index={ignore_index!r}): expected an int")
+        if max_microbatch is not None and (
+            isinstance(max_microbatch, bool) or not isinstance(max_microbatch, int) or max_microbatch < 1
+        ):
+            raise ValueError(f"{name}(max_microbatch={max_microbatch!r}): must be None or an integer >= 1 (sequences)")
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"{name}(loss_normalization={loss_normalization!r}): must be one of {LOSS_NORMALIZATIONS} "
@@ -138,6 +150,8 @@ class LoopTracker:
         self.grad_scaler = grad_scaler
         self.loss_divided_by_accumulation = bool(loss_divided_by_accumulation)
         self.loss_normalization = loss_normalization
+        self.max_microbatch = max_microbatch
+        self._max_group = 1  # loader batches per microbatch at most (set by windows() from the batch size)
         self.dp_group = cbs_dist.resolve_dp_group(process_group, device_mesh, mesh_dim)
         dp_degree = cbs_dist.group_size(self.dp_group)
         self.session = TrackingSession(
@@ -249,9 +263,61 @@ class LoopTracker:
     @property
     def accumulation_steps(self) -> int:
         """Microbatches per rank in the current (or, between windows, the next) window."""
+        return self._level() // self._layout(self._level())
+
+    @property
+    def microbatch_batches(self) -> int:
+        """The loader's batches joined into one microbatch in the current (or next) window (1 unless
+        ``max_microbatch`` is set)."""
+        return self._layout(self._level())
+
+    def _level(self) -> int:
+        """The batch level: the loader's batches per rank in the current (or next) window."""
         if self._window_index == 0 and self.session.pending_accumulation is not None:
             return self.session.pending_accumulation
         return self.session.accumulation_steps
+
+    def _layout(self, level: int) -> int:
+        """Loader batches per microbatch for a window of ``level`` loader batches: the largest power of
+        two within the cap that divides it and leaves at least two microbatches on one rank."""
+        least = 2 if self.session.dp_degree == 1 else 1
+        group = 1
+        while group * 2 <= self._max_group and level % (group * 2) == 0 and level // (group * 2) >= least:
+            group *= 2
+        return group
+
+    def windows(self, loader: Any) -> Iterator[list[Any]]:
+        """The loader's batches as windows of microbatches of the current layout, each batch used once.
+
+        Yields one list per optimizer step: ``tracker.accumulation_steps`` microbatches, each
+        the concatenation (along the leading dimension) of ``tracker.microbatch_batches``
+        consecutive loader batches (tensors, or tuples, lists and dicts of them). The layout
+        changes only between windows, after the :meth:`step` that decided it; the loader's
+        workers and prefetching are untouched. A last window or microbatch cut short by the
+        end of the loader is yielded as it is.
+        """
+        it = iter(loader)
+        first = True
+        while True:
+            if first and self.max_microbatch is not None:
+                try:
+                    head = next(it)
+                except StopIteration:
+                    return
+                rows = _leading(head)
+                self._max_group = max(1, self.max_microbatch // max(rows, 1))
+                it = itertools.chain([head], it)
+            first = False
+            group, count = self.microbatch_batches, self.accumulation_steps
+            window = []
+            for _ in range(count):
+                parts = list(itertools.islice(it, group))
+                if not parts:
+                    break
+                window.append(parts[0] if len(parts) == 1 else _join(parts))
+            if not window:
+                return
+            yield window
 
     @property
     def noise_scale(self) -> float | None:
@@ -343,7 +409,7 @@ class LoopTracker:
         if self._window_index == 0:
             self._begin_window()
         self._step_norm = None
-        last = self._window_index >= self.session.accumulation_steps - 1
+        last = self._window_index >= self._window_divisor - 1
         self._in_microbatch = True
         self.collector.begin_microbatch(unsynced=self._unsynced(last), measure=self._measure)
         try:
@@ -363,7 +429,9 @@ class LoopTracker:
     def _begin_window(self) -> None:
         self.session.apply_pending()
         self._measure = self.session.start_window()
-        self._window_divisor = self.session.accumulation_steps
+        group = self._layout(self.session.accumulation_steps)
+        self.session.micro_group = group
+        self._window_divisor = self.session.accumulation_steps // group
         if self._measure:  # a window not measured reads no gradient: parameters are looked at when one is
             self._refresh_params()
 
@@ -533,3 +601,28 @@ class LoopTracker:
         self.collector.remove()
         self.session.detach_scheduler()
 
+
+def _leading(batch: Any) -> int:
+    """Rows of a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        n = _leading(v)
+        if n:
+            return n
+    return 0
+
+
+def _join(parts: list[Any]) -> Any:
+    """Consecutive loader batches as one: tensors concatenated along dim 0, containers joined per field."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        return {k: _join([p[k] for p in parts]) for k in first}
+    if isinstance(first, (list, tuple)):
+        joined = [_join([p[i] for p in parts]) for i in range(len(first))]
+        return type(first)(joined) if isinstance(first, tuple) and not hasattr(first, "_fields") else (
+            type(first)(*joined) if hasattr(first, "_fields") else joined)
+    raise TypeError(f"LoopTracker.windows: cannot join loader batches of type {type(first).__name__}")

@@ -163,6 +163,9 @@ class TrackingSession:
         self.units_seen = 0.0
         self.starting_batch_steps = 0
         self.accumulation_steps = self.starting_accumulation
+        #: the data loader's batches that make one microbatch in the current window (the plain
+        #: loop's microbatch-first layout; 1 elsewhere): the batch level is in loader batches
+        self.micro_group = 1
         self.pending_accumulation: int | None = None
         self.coupling = 1.0
         self.last_record: StepRecord | None = None
@@ -356,11 +359,11 @@ class TrackingSession:
 
 
     def _ran_per_rank(self, run: int, window_accumulation: int) -> int:
-        """Microbatches per rank the window really ran (a short or mis-sized window says so); the
-        set accumulation when the ranks ran different numbers (no whole mean per rank)."""
+        """Microbatches per rank the window really ran, in the loader's batches (a short or mis-sized
+        window says so); the set accumulation when the ranks ran different numbers."""
         if run <= 0 or run % max(self.dp_degree, 1):
-            return int(window_accumulation)
-        return run // max(self.dp_degree, 1)
+            return int(window_accumulation) * self.micro_group
+        return run // max(self.dp_degree, 1) * self.micro_group
 
     def _check_faults(self, stats: StepStats, faults: WindowFaults, window_accumulation: int, fatal: bool) -> None:
         """Raise on invalid sizes and (multi-rank, sync skipped) on a window of another size; else warn."""
@@ -386,7 +389,7 @@ class TrackingSession:
 
     def _advance(self, stats: StepStats, run: int) -> None:
         """Count the step, its units and the starting-batch steps it held (the schedule's position)."""
-        k_per_rank = run / max(self.dp_degree, 1)
+        k_per_rank = run / max(self.dp_degree, 1) * self.micro_group
         held = max(1, math.ceil(k_per_rank / self.starting_accumulation - 1e-9)) if k_per_rank > 0 else 1
         self.step += 1
         self.units_seen += stats.units
@@ -423,7 +426,7 @@ class TrackingSession:
             step=self.step,
             tokens_seen=self.units_seen,
             global_batch=stats.units,
-            accumulation_steps=int(window_accumulation),
+            accumulation_steps=int(window_accumulation) * self.micro_group,
             noise_scale=self.estimator.noise_scale,
             **self._optional_update_kwargs(low, high),
         )
