@@ -37,7 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
 
-SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget")
+SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
+             "tracker_mbfirst")
+#: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
+MBFIRST_MAX_SEQUENCES = 16
 BASELINE_TOKENS = 512
 
 
@@ -76,6 +79,7 @@ def plan(setting: base.Setting) -> list[Run]:
             runs += [Run("tracker_convert_kappa1", seed, s) for s in ("cosine", "wsd")]
     for seed in setting.seeds:
         runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
+    runs += [Run("tracker_mbfirst", seed, "cosine") for seed in setting.seeds]  # microbatch first, wall-clock
     return runs
 
 
@@ -84,7 +88,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
 
     if run.schedule == "constant":
         return None
-    if run.schedule == "tracker_default":
+    if run.schedule in ("tracker_default", "tracker_mbfirst"):
         return BatchSizeController()
     if run.schedule == "tracker_convert":
         return BatchSizeController(convert_lr_decay=True)
@@ -120,22 +124,33 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
     )
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=run.seed)
     tracker = CBSTracker(model, optimizer, accumulation_steps=start // micro_tokens,
-                         controller=make_controller(run, setting), lr_scheduler=scheduler, cap_lr_at_peak=run.cap)
+                         controller=make_controller(run, setting), lr_scheduler=scheduler, cap_lr_at_peak=run.cap,
+                         max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule == "tracker_mbfirst" else None)
     evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
     trace: dict[str, list[Any]] = {"tokens": [], "global_batch": [], "noise_scale": [], "lr": [], "scheduled_lr": []}
 
+    evals["train_s"] = []
+    eval_s = 0.0
+
     def record_eval(step: int, tokens: float) -> None:
+        nonlocal eval_s
+        t = time.time()
+        evals["train_s"].append(round(t - t0 - eval_s, 2))  # training time so far, evaluations left out
         evals["step"].append(step)
         evals["tokens"].append(tokens)
         evals["val_loss"].append(round(evaluate(model, corpus.val, seq_len=setting.seq_len,
                                                 num_sequences=setting.eval_sequences), 5))
+        eval_s += time.time() - t
 
+    t0 = time.time()
     record_eval(0, 0.0)
-    tokens, step, next_eval, next_trace, t0 = 0.0, 0, setting.eval_every_tokens, 0.0, time.time()
+    tokens, step, next_eval, next_trace = 0.0, 0, setting.eval_every_tokens, 0.0
     record = None
-    while tokens + tracker.accumulation_steps * micro_tokens <= setting.budget_tokens:
-        for _ in range(tracker.accumulation_steps):
-            x, y = stream.next_batch(micro_seqs)
+    batches = iter(lambda: stream.next_batch(micro_seqs), None)  # an endless loader
+    windows = tracker.windows(batches)
+    while tokens + tracker.accumulation_steps * tracker.microbatch_batches * micro_tokens <= setting.budget_tokens:
+        window = next(windows)
+        for x, y in window:
             with tracker.microbatch(labels=y):
                 _, loss = model(x, y)
                 (loss / tracker.accumulation_steps).backward()
@@ -163,7 +178,8 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
         "final_val_loss": evals["val_loss"][-1], "steps": step, "tokens": tokens,
         "final_batch_tokens": None if record is None else record.global_batch,
         "lr_conversions": None if record is None else record.lr_conversions,
-        "train_time_s": round(time.time() - t0, 1), "evals": evals, "trace": trace,
+        "train_time_s": round(time.time() - t0, 1), "train_only_s": round(time.time() - t0 - eval_s, 1),
+        "evals": evals, "trace": trace,
         "setting": setting.name, "setting_key": setting.key(), "library_commit": base._library_commit(),
     }
     (out / "runs").mkdir(parents=True, exist_ok=True)
