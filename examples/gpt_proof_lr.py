@@ -259,7 +259,7 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = {"constant": "black", "tracker_default": "tab:blue", "tracker_convert": "tab:red",
-              "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green"}
+              "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green", "tracker_mbfirst": "tab:purple"}
     for col, lr_schedule in enumerate(("cosine", "wsd")):
         for r in results.values():
             if r["lr_schedule"] != lr_schedule or r["seed"] != 0 or "evals" not in r:
@@ -276,6 +276,33 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def draw_wallclock(results: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Validation loss against training seconds (evaluations left out) for the runs that timed them."""
+    timed = [r for r in results.values() if "train_s" in r.get("evals", {})]
+    if not timed:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = sorted({r["seed"] for r in timed})
+    fig, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4.5), squeeze=False)
+    for ax, seed in zip(axes[0], seeds):
+        for r in timed:
+            if r["seed"] == seed:
+                e = r["evals"]
+                ax.plot(e["train_s"][1:], e["val_loss"][1:], label=f"{r['name'].rsplit('_seed', 1)[0]} ({r['steps']} steps)")
+        ax.set_title(f"val loss vs training time (seed {seed}, {timed[0]['lr_schedule']})")
+        ax.set_xlabel("seconds of training (evaluations left out)")
+        ax.set_ylabel("val loss (nats/byte)")
+        ax.set_ylim(top=2.0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "runs": rows}, indent=1))
     (out / "table.md").write_text(table(rows))
     draw(results, out / "proof_lr.png")
+    draw_wallclock(results, out / "wallclock.png")
     print(table(rows))
     return 0
 
