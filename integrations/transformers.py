@@ -22,7 +22,7 @@ from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
 from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
-from cbs_tracker.core.measure import reduce_window
+from cbs_tracker.core.measure import loss_scale, reduce_window
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
@@ -459,10 +459,7 @@ class CBSTrainer(Trainer):
         if scaler is not None and scaler.is_enabled():
             # not unscaled yet (the Trainer unscales when it clips): the loss scale S is in the
             # hooked gradients and in .grad alike, removed from both (read without a host sync)
-            get_async = getattr(scaler, "_get_scale_async", None)
-            scale = get_async() if get_async is not None else None
-            if scale is None:
-                scale = torch.tensor(float(scaler.get_scale()))
+            scale = loss_scale(scaler)
         stats, faults = reduce_window(
             collector, self._params, dp_group=None, avg_ranks=self._avg_ranks, transform=self._transform,
             expected_microbatches=k, scale=scale, big_is_scaled=scale is not None, measured=self._measure,

@@ -96,3 +96,21 @@ def test_windows_work_with_loader_workers():
 def test_a_bad_cap_is_refused():
     with pytest.raises(ValueError, match=r"max_microbatch=0\): must be None or an integer >= 1"):
         CBSTracker(nn.Linear(2, 1), max_microbatch=0)
+
+
+def test_loader_batches_of_every_container_kind_are_joined_field_by_field():
+    from collections import namedtuple
+
+    from cbs_tracker.core.loop import _join
+
+    Pair = namedtuple("Pair", "x y")
+    a, b = torch.arange(4).reshape(2, 2), torch.arange(4, 8).reshape(2, 2)
+    joined = _join([(a, a[:, 0]), (b, b[:, 0])])
+    assert isinstance(joined, tuple) and torch.equal(joined[0], torch.arange(8).reshape(4, 2))
+    assert torch.equal(joined[1], torch.tensor([0, 2, 4, 6]))
+    named = _join([Pair(a, a), Pair(b, b)])
+    assert isinstance(named, Pair) and torch.equal(named.y, torch.arange(8).reshape(4, 2))
+    nested = _join([{"ids": [a]}, {"ids": [b]}])
+    assert isinstance(nested["ids"], list) and torch.equal(nested["ids"][0], torch.arange(8).reshape(4, 2))
+    with pytest.raises(TypeError, match="cannot join loader batches of type str"):
+        _join(["a", "b"])

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -467,7 +467,7 @@ class GradStatsCollector:
         """The window's per-microbatch squared norms (0-d tensors, loss scale still in)."""
         return list(self._micro_sq)
 
-    def window_sums(self, device: torch.device, extra: list[float] = (), *, norms: bool = True) -> torch.Tensor:  # type: ignore[assignment]
+    def window_sums(self, device: torch.device, extra: Sequence[float] = (), *, norms: bool = True) -> torch.Tensor:
         """This rank's window as ``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2, *extra]``, float64 on ``device``.
 
         ``h_k`` are the hooked gradients as the backward produced them (loss

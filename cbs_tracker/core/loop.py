@@ -623,6 +623,7 @@ def _join(parts: list[Any]) -> Any:
         return {k: _join([p[k] for p in parts]) for k in first}
     if isinstance(first, (list, tuple)):
         joined = [_join([p[i] for p in parts]) for i in range(len(first))]
-        return type(first)(joined) if isinstance(first, tuple) and not hasattr(first, "_fields") else (
-            type(first)(*joined) if hasattr(first, "_fields") else joined)
+        if hasattr(first, "_fields"):  # a named tuple
+            return type(first)(*joined)
+        return tuple(joined) if isinstance(first, tuple) else joined
     raise TypeError(f"LoopTracker.windows: cannot join loader batches of type {type(first).__name__}")

@@ -8,7 +8,6 @@ host sync per optimizer step; :func:`unscale_and_get_scale` handles AMP.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Iterable
@@ -26,7 +25,7 @@ from cbs_tracker.core.collector import (
     local_grad_sq_norm,
 )
 
-__all__ = ["WindowFaults", "reduce_window", "unscale_and_get_scale"]
+__all__ = ["LOSS_NORMALIZATIONS", "WindowFaults", "loss_scale", "reduce_window", "unscale_and_get_scale"]
 
 
 def unscale_and_get_scale(grad_scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -39,6 +38,11 @@ def unscale_and_get_scale(grad_scaler: Any, optimizer: torch.optim.Optimizer) ->
     stage = states.get(id(optimizer), {}).get("stage")
     if stage is None or getattr(stage, "name", "") == "READY":
         grad_scaler.unscale_(optimizer)
+    return loss_scale(grad_scaler)
+
+
+def loss_scale(grad_scaler: Any) -> torch.Tensor:
+    """The scaler's current loss scale as a 0-d tensor, read without a host sync where torch allows."""
     get_async = getattr(grad_scaler, "_get_scale_async", None)
     scale = get_async() if get_async is not None else None
     if scale is None:
@@ -135,33 +139,6 @@ def reduce_window(
     if normalization not in LOSS_NORMALIZATIONS:
         raise ValueError(f"reduce_window(normalization={normalization!r}): must be one of {LOSS_NORMALIZATIONS}")
     t0 = time.perf_counter()
-    stats, faults = _reduce(collector, big_params, dp_group=dp_group, loss_divisor=loss_divisor, avg_ranks=avg_ranks,
-                            scale=scale, transform=transform, big_norm_is_sharded=big_norm_is_sharded,
-                            expected_microbatches=expected_microbatches, normalization=normalization,
-                            units_divisor=units_divisor, big_is_scaled=big_is_scaled, measured=measured,
-                            proposed_every=proposed_every)
-    own = (collector.own_seconds if measured else 0.0) + (time.perf_counter() - t0)
-    return dataclasses.replace(stats, own_seconds=own), faults
-
-
-def _reduce(
-    collector: GradStatsCollector,
-    big_params: Iterable[nn.Parameter],
-    *,
-    dp_group: Any | None,
-    loss_divisor: float,
-    avg_ranks: int,
-    scale: torch.Tensor | None,
-    transform: GradTransform | None,
-    big_norm_is_sharded: bool,
-    expected_microbatches: int | None,
-    normalization: str,
-    units_divisor: torch.Tensor | float | None,
-    big_is_scaled: bool,
-    measured: bool,
-    proposed_every: float,
-) -> tuple[StepStats, WindowFaults]:
-    """:func:`reduce_window` without its bookkeeping of time."""
     big = local_grad_sq_norm(big_params, transform) if measured else None
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)
@@ -210,7 +187,8 @@ def _reduce(
         ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
         if ranks > 1:
             values = cbs_dist.all_reduce_sum(torch.tensor(values, dtype=torch.float64), dp_group).tolist()
-        return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks)
+        return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks,
+                           own_seconds=_own_seconds(collector, measured, t0))
     # On an accelerator every operator below is a launch: the vector is built in about a dozen.
     # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2, *flags]
     sums = collector.window_sums(device, flags, norms=measured)
@@ -248,10 +226,18 @@ def _reduce(
     ])
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
     ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
-    return _step_stats(vec.tolist(), avg_ranks=avg_ranks, group=group, ranks=ranks)  # one host sync
+    values = vec.tolist()  # one host sync
+    return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks,
+                       own_seconds=_own_seconds(collector, measured, t0))
 
 
-def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int) -> tuple[StepStats, WindowFaults]:
+def _own_seconds(collector: GradStatsCollector, measured: bool, started: float) -> float:
+    """Host seconds this rank spent measuring the window: its hooks and norms, and this reduction."""
+    return (collector.own_seconds if measured else 0.0) + (time.perf_counter() - started)
+
+
+def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
+                own_seconds: float = 0.0) -> tuple[StepStats, WindowFaults]:
     """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q,
     measured, proposal]`` (``ranks``: the ranks summed).
 
@@ -276,6 +262,7 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int)
         synced_sq_norm=big_total if nonfinite == 0 and measured else math.nan,
         measured=measured,
         proposed_every=prop / max(ranks, 1),
+        own_seconds=own_seconds,
     )
     return stats, WindowFaults(
         mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran))
