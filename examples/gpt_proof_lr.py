@@ -13,7 +13,11 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
 * ``tracker_default_cap`` (first seed, cosine): the coupling capped at the peak LR;
 * ``tracker_convert_kappa1`` (first seed): the conversion allowed up to ``B_simple`` itself;
 * ``tracker_default`` and ``tracker_budget`` at a constant LR (the earlier proof's rows,
-  rerun with the new defaults).
+  rerun with the new defaults);
+* ``tracker_mbfirst`` (cosine): the default controller growing the microbatch first
+  (``max_microbatch``), for the wall-clock comparison;
+* ``constant_512_fast`` (cosine): constant 512 at its fastest layout on one process, one
+  512-token microbatch per step, without the tracker (no noise scale is measurable there).
 
 Usage::
 
@@ -38,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
 
 SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
-             "tracker_mbfirst")
+             "tracker_mbfirst", "constant_fast")
 #: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
 MBFIRST_MAX_SEQUENCES = 16
 BASELINE_TOKENS = 512
@@ -53,7 +57,8 @@ class Run:
 
     @property
     def name(self) -> str:
-        kind = f"constant_{BASELINE_TOKENS}" if self.schedule == "constant" else self.schedule
+        kind = {"constant": f"constant_{BASELINE_TOKENS}", "constant_fast": f"constant_{BASELINE_TOKENS}_fast"}.get(
+            self.schedule, self.schedule)
         return f"{kind}{'_cap' if self.cap else ''}_{self.lr_schedule}_seed{self.seed}"
 
 
@@ -80,13 +85,14 @@ def plan(setting: base.Setting) -> list[Run]:
     for seed in setting.seeds:
         runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
     runs += [Run("tracker_mbfirst", seed, "cosine") for seed in setting.seeds]  # microbatch first, wall-clock
+    runs += [Run("constant_fast", seed, "cosine") for seed in setting.seeds]  # constant 512, one microbatch
     return runs
 
 
 def make_controller(run: Run, setting: base.Setting) -> Any:
     from cbs_tracker.policy.controller import BatchSizeController
 
-    if run.schedule == "constant":
+    if run.schedule in ("constant", "constant_fast"):
         return None
     if run.schedule in ("tracker_default", "tracker_mbfirst"):
         return BatchSizeController()
@@ -111,7 +117,11 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
     corpus = load_corpus(setting.corpus_max_bytes)
     micro_seqs = setting.tracker_micro_sequences
     micro_tokens = micro_seqs * setting.seq_len
-    start = BASELINE_TOKENS if run.schedule == "constant" else setting.tracker_start_tokens
+    fast = run.schedule == "constant_fast"
+    start = BASELINE_TOKENS if run.schedule in ("constant", "constant_fast") else setting.tracker_start_tokens
+    if fast:
+        micro_seqs = BASELINE_TOKENS // setting.seq_len  # the whole step as one microbatch
+        micro_tokens = micro_seqs * setting.seq_len
     torch.manual_seed(run.seed)
     model = GPT(GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
                           n_head=setting.n_head))
@@ -123,9 +133,10 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
         optimizer, lambda e: lr_at(setting, run.lr_schedule, (e + 1) * start) / setting.lr
     )
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=run.seed)
-    tracker = CBSTracker(model, optimizer, accumulation_steps=start // micro_tokens,
-                         controller=make_controller(run, setting), lr_scheduler=scheduler, cap_lr_at_peak=run.cap,
-                         max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule == "tracker_mbfirst" else None)
+    tracker = None if fast else CBSTracker(
+        model, optimizer, accumulation_steps=start // micro_tokens, controller=make_controller(run, setting),
+        lr_scheduler=scheduler, cap_lr_at_peak=run.cap,
+        max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule == "tracker_mbfirst" else None)
     evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
     trace: dict[str, list[Any]] = {"tokens": [], "global_batch": [], "noise_scale": [], "lr": [], "scheduled_lr": []}
 
@@ -147,8 +158,14 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
     tokens, step, next_eval, next_trace = 0.0, 0, setting.eval_every_tokens, 0.0
     record = None
     batches = iter(lambda: stream.next_batch(micro_seqs), None)  # an endless loader
-    windows = tracker.windows(batches)
-    while tokens + tracker.accumulation_steps * tracker.microbatch_batches * micro_tokens <= setting.budget_tokens:
+    if fast:
+        fast_loop(model, optimizer, scheduler, batches, setting, micro_tokens, record_eval, evals)
+        tokens = evals["tokens"][-1]
+        step = evals["step"][-1]
+    windows = None if tracker is None else tracker.windows(batches)
+    while tracker is not None and windows is not None and (
+        tokens + tracker.accumulation_steps * tracker.microbatch_batches * micro_tokens <= setting.budget_tokens
+    ):
         window = next(windows)
         for x, y in window:
             with tracker.microbatch(labels=y):
@@ -174,9 +191,9 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
         record_eval(step, tokens)
     result = {
         "name": run.name, "schedule": run.schedule, "seed": run.seed, "lr_schedule": run.lr_schedule,
-        "cap_lr_at_peak": run.cap, "lr_coupling_mode": tracker.session.coupling_mode,
+        "cap_lr_at_peak": run.cap, "lr_coupling_mode": None if tracker is None else tracker.session.coupling_mode,
         "final_val_loss": evals["val_loss"][-1], "steps": step, "tokens": tokens,
-        "final_batch_tokens": None if record is None else record.global_batch,
+        "final_batch_tokens": micro_tokens if fast else None if record is None else record.global_batch,
         "lr_conversions": None if record is None else record.lr_conversions,
         "train_time_s": round(time.time() - t0, 1), "train_only_s": round(time.time() - t0 - eval_s, 1),
         "evals": evals, "trace": trace,
@@ -185,6 +202,28 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "runs" / f"{run.name}.json").write_text(json.dumps(result))
     return result
+
+
+def fast_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any, setting: base.Setting, micro_tokens: int,
+              record_eval: Any, evals: dict[str, Any]) -> None:
+    """Constant batch, one microbatch per step, no tracker: the same clipping, schedule and evaluations."""
+    import torch
+
+    tokens, step, next_eval = 0.0, 0, setting.eval_every_tokens
+    while tokens + micro_tokens <= setting.budget_tokens:
+        x, y = next(batches)
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, tokens = step + 1, tokens + micro_tokens
+        if tokens >= next_eval:
+            record_eval(step, tokens)
+            next_eval += setting.eval_every_tokens
+    if evals["step"][-1] != step:
+        record_eval(step, tokens)
 
 
 def run_all(setting: base.Setting, out: Path, jobs: int, only: set[str] | None,
@@ -259,7 +298,8 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = {"constant": "black", "tracker_default": "tab:blue", "tracker_convert": "tab:red",
-              "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green", "tracker_mbfirst": "tab:purple"}
+              "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green", "tracker_mbfirst": "tab:purple",
+              "constant_fast": "gray"}
     for col, lr_schedule in enumerate(("cosine", "wsd")):
         for r in results.values():
             if r["lr_schedule"] != lr_schedule or r["seed"] != 0 or "evals" not in r:
