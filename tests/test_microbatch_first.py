@@ -94,8 +94,10 @@ def test_windows_work_with_loader_workers():
 
 
 def test_a_bad_cap_is_refused():
-    with pytest.raises(ValueError, match=r"max_microbatch=0\): must be None or an integer >= 1"):
+    with pytest.raises(ValueError, match=r"max_microbatch=0\): must be None, an integer >= 1 \(sequences\) or 'auto'"):
         CBSTracker(nn.Linear(2, 1), max_microbatch=0)
+    with pytest.raises(ValueError, match=r"max_microbatch='auto'\): reads CUDA memory, but the model is on cpu"):
+        CBSTracker(nn.Linear(2, 1), max_microbatch="auto")
 
 
 def test_loader_batches_of_every_container_kind_are_joined_field_by_field():
@@ -114,3 +116,133 @@ def test_loader_batches_of_every_container_kind_are_joined_field_by_field():
     assert isinstance(nested["ids"], list) and torch.equal(nested["ids"][0], torch.arange(8).reshape(4, 2))
     with pytest.raises(TypeError, match="cannot join loader batches of type str"):
         _join(["a", "b"])
+
+
+# ---------------------------------------------------------------- out of memory at a larger microbatch
+class _OOM(torch.autograd.Function):
+    """Identity whose forward or backward runs out of memory on microbatches above ``limit`` rows."""
+
+    @staticmethod
+    def forward(ctx, h, limit, where):
+        ctx.rows, ctx.limit, ctx.where = h.shape[0], limit, where
+        if where == "forward" and h.shape[0] > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected at {h.shape[0]} rows)")
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.where == "backward" and ctx.rows > ctx.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected in backward at {ctx.rows} rows)")
+        return g, None, None
+
+
+class TwoLayer(nn.Module):
+    def __init__(self, limit: int | None, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(D, 3).double(), nn.Linear(3, 1).double()
+        self.limit, self.where, self.calls = limit, where, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.a(x))
+        if self.limit is not None:
+            h = _OOM.apply(h, self.limit, self.where)
+        return self.b(h).squeeze(-1)  # b's gradient is accumulated before _OOM's backward runs
+
+
+def _train(n: int, *, max_microbatch, limit: int | None = None, where: str = "forward", plan=PLAN):
+    data = Indexed(n)
+    loader = torch.utils.data.DataLoader(data, batch_size=ROWS, shuffle=False)
+    model = TwoLayer(limit, where)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples", controller=PlanController(plan),
+                         max_microbatch=max_microbatch)
+    used, records, grads = [], [], []
+    for window in tracker.windows(loader):
+        for mb in window:
+            with tracker.microbatch(size=len(mb["index"])):
+                loss = 0.5 * (model(mb["x"]) - mb["y"]).pow(2).mean()
+                (loss / tracker.accumulation_steps).backward()
+                used.append(mb["index"].tolist())  # only once the backward went through
+        records.append(tracker.step())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return tracker, used, records, grads, model
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_at_the_first_larger_microbatch_redoes_the_window_at_the_old_one(where):
+    """The truth: the same run with the cap at the microbatch that fits from the start."""
+    n = ROWS * (2 * 3 + 4 * 3 + 8 * 3 + 16 * 2)
+    with pytest.warns(UserWarning, match="out of memory at a microbatch of 4 loader batches; the window is redone"):
+        tracker, used, records, grads, model = _train(n, max_microbatch=8, limit=4, where=where)
+    ref_tracker, ref_used, ref_records, ref_grads, ref_model = _train(n, max_microbatch=4)
+    assert [i for mb in used for i in mb] == list(range(n))  # each sample once, in order
+    assert used == ref_used  # and in the layout of the run that never tried the larger microbatch
+    assert max(len(mb) for mb in used) == 4 and tracker.microbatch_batches == 2  # the layout stays there
+    for g, ref in zip(grads, ref_grads, strict=True):  # the failed attempt left nothing in any gradient
+        torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-14)
+    for r, ref in zip(records, ref_records, strict=True):
+        assert (r.accumulation_steps, r.micro_batch, r.tokens_seen) == (ref.accumulation_steps, ref.micro_batch,
+                                                                       ref.tokens_seen)
+        assert r.step_grad_sq_norm == pytest.approx(ref.step_grad_sq_norm, rel=1e-12)
+        assert r.step_trace_cov == pytest.approx(ref.step_trace_cov, rel=1e-12)
+        assert (r.noise_scale is None) == (ref.noise_scale is None)
+        assert r.noise_scale is None or r.noise_scale == pytest.approx(ref.noise_scale, rel=1e-12)
+    assert sum(r.noise_scale is not None for r in records) >= 2
+    torch.testing.assert_close(model.a.weight, ref_model.a.weight, rtol=1e-12, atol=1e-14)
+    assert tracker.steps == ref_tracker.steps
+
+
+def test_out_of_memory_where_the_microbatch_already_ran_is_raised():
+    # the limit is below the first layout (2 rows would fit; here nothing larger than 1 row does)
+    with pytest.raises(torch.OutOfMemoryError):
+        _train(ROWS * 8, max_microbatch=8, limit=1)
+    with pytest.raises(torch.OutOfMemoryError):  # no microbatch growth configured: nothing to fall back to
+        _train(ROWS * 8, max_microbatch=None, limit=1)
+
+
+class _FakeMemory:
+    """A device whose peak is ``base + per_row * rows`` of the largest microbatch since the last reset."""
+
+    def __init__(self, base: int, per_row: int, total: int) -> None:
+        self.base, self.per_row, self.total_bytes, self.rows = base, per_row, total, 0
+
+    def allocated(self) -> int:
+        return self.base
+
+    def reset_peak(self) -> None:
+        self.rows = 0
+
+    def peak(self) -> int:
+        return self.base + self.per_row * self.rows
+
+    def total(self) -> int:
+        return self.total_bytes
+
+
+def test_auto_picks_the_largest_microbatch_the_measured_memory_allows(monkeypatch):
+    import cbs_tracker.core.loop as loop
+
+    # 0.85 * 1500 - 100 = 1175 bytes for activations at 40 per row: 29 rows, so 16 (8 loader batches); without
+    # the margin 1400 bytes would take 32 rows
+    memory = _FakeMemory(base=100, per_row=40, total=1500)
+    monkeypatch.setattr(loop, "_cuda_memory_probe", lambda model, owner: memory)
+    data = Indexed(ROWS * (2 * 3 + 4 * 3 + 8 * 3 + 16 * 3 + 32 * 2))
+    loader = torch.utils.data.DataLoader(data, batch_size=ROWS, shuffle=False)
+    model = nn.Linear(D, 1, bias=False).double()
+    tracker = CBSTracker(model, accumulation_steps=2, unit="samples",
+                         controller=PlanController({3: 4, 6: 8, 9: 16, 12: 32}), max_microbatch="auto")
+    rows = []
+    for window in tracker.windows(loader):
+        for mb in window:
+            with tracker.microbatch(size=len(mb["index"])):
+                memory.rows = max(memory.rows, len(mb["index"]))
+                model(mb["x"]).pow(2).mean().backward()
+        rows.append((len(window), len(window[0]["index"])))
+        tracker.step()
+        model.zero_grad(set_to_none=True)
+    # levels 2, 4, 8, 16, 32 loader batches: the microbatch doubles with the level up to 16 rows, then accumulates
+    assert rows == [(2, 2)] * 3 + [(2, 4)] * 3 + [(2, 8)] * 3 + [(2, 16)] * 3 + [(4, 16)] * 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -23,7 +24,10 @@ from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 
-__all__ = ["LoopTracker"]
+__all__ = ["AUTO_MEMORY_FRACTION", "LoopTracker"]
+
+#: ``max_microbatch="auto"`` keeps the predicted peak at or below this share of the device memory
+AUTO_MEMORY_FRACTION = 0.85
 
 
 class LoopTracker:
@@ -85,6 +89,12 @@ class LoopTracker:
             loop then takes its windows from :meth:`windows`, which joins the loader's
             batches into microbatches of the current size; with one rank at least two
             microbatches per window remain, so the noise scale stays measurable.
+            ``"auto"`` (a model on a CUDA device): as large as the memory allows, from the
+            peak memory measured in each window, extrapolated linearly in the microbatch
+            and kept under ``AUTO_MEMORY_FRACTION`` of the device's memory. On one
+            process, an out-of-memory error in the first window at a larger microbatch is
+            caught: the window is redone from its start at the previous microbatch (the
+            same loader batches, nothing lost or repeated) and the microbatch stays there.
 
     Raises:
         ValueError / TypeError: on bad configuration (the message names the argument).
@@ -133,10 +143,12 @@ class LoopTracker:
             raise TypeError(f"{name}(grad_scaler={type(grad_scaler).__name__}): expected a torch.amp.GradScaler")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"{name}(ignore_index={ignore_index!r}): expected an int")
-        if max_microbatch is not None and (
+        if max_microbatch is not None and max_microbatch != "auto" and (
             isinstance(max_microbatch, bool) or not isinstance(max_microbatch, int) or max_microbatch < 1
         ):
-            raise ValueError(f"{name}(max_microbatch={max_microbatch!r}): must be None or an integer >= 1 (sequences)")
+            raise ValueError(
+                f"{name}(max_microbatch={max_microbatch!r}): must be None, an integer >= 1 (sequences) or 'auto'"
+            )
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"{name}(loss_normalization={loss_normalization!r}): must be one of {LOSS_NORMALIZATIONS} "
@@ -152,6 +164,12 @@ class LoopTracker:
         self.loss_normalization = loss_normalization
         self.max_microbatch = max_microbatch
         self._max_group = 1  # loader batches per microbatch at most (set by windows() from the batch size)
+        self._good_group = 1  # the largest microbatch (in loader batches) that completed a window
+        self._oom_group: int | None = None  # the cap an out-of-memory error left
+        self._memory = _cuda_memory_probe(model, name) if max_microbatch == "auto" else None
+        self._memory_base = 0
+        self._current_window: _Window | None = None
+        self._restarted = False
         self.dp_group = cbs_dist.resolve_dp_group(process_group, device_mesh, mesh_dim)
         dp_degree = cbs_dist.group_size(self.dp_group)
         self.session = TrackingSession(
@@ -299,24 +317,23 @@ class LoopTracker:
         it = iter(loader)
         first = True
         while True:
-            if first and self.max_microbatch is not None:
+            if first and isinstance(self.max_microbatch, int):
                 try:
                     head = next(it)
                 except StopIteration:
                     return
                 rows = _leading(head)
                 self._max_group = max(1, self.max_microbatch // max(rows, 1))
+                if self._oom_group is not None:
+                    self._max_group = min(self._max_group, self._oom_group)
                 it = itertools.chain([head], it)
             first = False
             group, count = self.microbatch_batches, self.accumulation_steps
-            window = []
-            for _ in range(count):
-                parts = list(itertools.islice(it, group))
-                if not parts:
-                    break
-                window.append(parts[0] if len(parts) == 1 else _join(parts))
-            if not window:
+            parts = list(itertools.islice(it, group * count))
+            if not parts:
                 return
+            window = _Window(parts, group)
+            self._current_window = window
             yield window
 
     @property
@@ -406,19 +423,28 @@ class LoopTracker:
             n: float | torch.Tensor = (labels != self.ignore_index).sum()
         else:
             n = check_size(size, owner=f"{name}.microbatch")
-        if self._window_index == 0:
+        if self._window_index == 0 and not self._restarted:
             self._begin_window()
+        self._restarted = False
         self._step_norm = None
         last = self._window_index >= self._window_divisor - 1
         self._in_microbatch = True
         self.collector.begin_microbatch(unsynced=self._unsynced(last), measure=self._measure)
+        recovered = False
         try:
             with self._sync_context(last):
                 yield
+        except Exception as exc:
+            if not self._recoverable(exc):
+                raise
+            recovered = True
         finally:
             self.collector.end_microbatch(n)
             self._in_microbatch = False
             self._window_index += 1
+        if recovered:
+            self._restart_window()
+            return
         if getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
             self.session.warn_once(
                 "no_hook",
@@ -429,11 +455,72 @@ class LoopTracker:
     def _begin_window(self) -> None:
         self.session.apply_pending()
         self._measure = self.session.start_window()
+        self._set_layout()
+        if self._measure:  # a window not measured reads no gradient: parameters are looked at when one is
+            self._refresh_params()
+        if self._memory is not None:
+            self._memory_base = self._memory.allocated()
+            self._memory.reset_peak()
+
+    def _set_layout(self) -> None:
         group = self._layout(self.session.accumulation_steps)
         self.session.micro_group = group
         self._window_divisor = self.session.accumulation_steps // group
-        if self._measure:  # a window not measured reads no gradient: parameters are looked at when one is
-            self._refresh_params()
+
+    # ------------------------------------------------------------------ microbatch size
+    def _recoverable(self, exc: BaseException) -> bool:
+        """An out-of-memory error in the first window at a larger microbatch, handed out by :meth:`windows`."""
+        if not _is_oom(exc) or self.max_microbatch is None or self.session.micro_group <= self._good_group:
+            return False
+        window = self._current_window
+        if window is None or not window.iterating:
+            return False
+        if self.session.dp_degree > 1:
+            warnings.warn(
+                f"{type(self).__name__}: out of memory at a microbatch of {self.session.micro_group} loader batches "
+                "on one of several ranks; the other ranks cannot redo their window in step, so the error is "
+                f"raised. Set max_microbatch to at most {self._good_group} loader batches' sequences.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return False
+        return True
+
+    def _restart_window(self) -> None:
+        """Drop the failed window's gradients and counts, and redo it at the last microbatch that fit."""
+        failed = self.session.micro_group
+        self._oom_group = self._good_group
+        self._max_group = min(self._max_group, self._good_group)
+        for p in self._all_params:
+            p.grad = None
+        self.collector.reset_window()
+        self._window_index = 0
+        self._set_layout()
+        self._restarted = True
+        assert self._current_window is not None
+        self._current_window.resplit(self.session.micro_group)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        warnings.warn(
+            f"{type(self).__name__}: out of memory at a microbatch of {failed} loader batches; the window is redone "
+            f"from its start at {self.session.micro_group} (nothing lost or repeated), and the microbatch stays there.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _after_window(self) -> None:
+        """At :meth:`step`: remember the microbatch that fit, and with ``"auto"`` the largest that will."""
+        group = self.session.micro_group
+        self._good_group = max(self._good_group, group)
+        if self._memory is None:
+            return
+        peak, base = self._memory.peak(), self._memory_base
+        per_group = max(peak - base, 0) / group
+        room = AUTO_MEMORY_FRACTION * self._memory.total() - base
+        fit = self._good_group
+        while per_group * fit * 2 <= room:
+            fit *= 2
+        self._max_group = fit if self._oom_group is None else min(fit, self._oom_group)
 
     def step(self) -> StepRecord:
         """Measure the step that just finished its backward passes; call before clipping.
@@ -490,6 +577,8 @@ class LoopTracker:
         )
         self.collector.reset_window()
         self._window_index = 0
+        if self.max_microbatch is not None:
+            self._after_window()
         if faults.microbatches_run == 0:
             raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
         reusable = self._transform is None and not self.big_norm_is_sharded and math.isfinite(stats.synced_sq_norm)
@@ -600,6 +689,75 @@ class LoopTracker:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
         self.collector.remove()
         self.session.detach_scheduler()
+
+
+class _Window(list):  # type: ignore[type-arg]
+    """One optimizer step's microbatches, handed out by :meth:`LoopTracker.windows`.
+
+    Holds the loader batches it was built from, so that after an out-of-memory error it
+    is re-split at a smaller microbatch and iterated again from its start.
+    """
+
+    def __init__(self, parts: list[Any], group: int) -> None:
+        super().__init__()
+        self._parts = parts
+        self._restart = False
+        self.iterating = False
+        self.resplit(group, restart=False)
+
+    def resplit(self, group: int, *, restart: bool = True) -> None:
+        chunks = [self._parts[i : i + group] for i in range(0, len(self._parts), group)]
+        self[:] = [c[0] if len(c) == 1 else _join(c) for c in chunks]
+        self._restart = restart
+
+    def __iter__(self) -> Iterator[Any]:
+        self.iterating = True
+        try:
+            i = 0
+            while i < len(self):
+                yield list.__getitem__(self, i)
+                if self._restart:
+                    self._restart, i = False, 0
+                else:
+                    i += 1
+        finally:
+            self.iterating = False
+
+
+class _CudaMemory:
+    """The CUDA device's allocated and peak memory, what ``max_microbatch="auto"`` reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def total(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+
+def _cuda_memory_probe(model: nn.Module, owner: str) -> _CudaMemory:
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cuda":
+        raise ValueError(
+            f"{owner}(max_microbatch='auto'): reads CUDA memory, but the model is on {device}; "
+            "pass an integer cap (sequences per microbatch) instead"
+        )
+    return _CudaMemory(device)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None)
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 def _leading(batch: Any) -> int:
