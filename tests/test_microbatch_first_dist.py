@@ -1,4 +1,4 @@
-"""Microbatch-first growth on two gloo ranks under DDP, against a single-process float64 reference.
+"""Microbatch-first growth on two gloo ranks (DDP and FSDP2), against a single-process float64 reference.
 
 Each rank reads its ``DistributedSampler`` shard through ``tracker.windows``; the
 reference recomputes every window's gradient from the samples the ranks report
@@ -39,7 +39,11 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (model(x).squeeze(-1) - y).pow(2).mean()
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _full(t: torch.Tensor) -> list[float]:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().flatten().tolist()
+
+
+def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                            timeout=timedelta(seconds=60))
@@ -48,10 +52,22 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         sampler = torch.utils.data.DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=True, seed=0)
         sampler.set_epoch(0)
         loader = torch.utils.data.DataLoader(data, batch_size=ROWS, sampler=sampler, num_workers=1)
-        model = nn.parallel.DistributedDataParallel(_model())
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples",
-                             controller=PlanController(PLAN), max_microbatch=4 * ROWS)
+        common = dict(accumulation_steps=2, unit="samples", controller=PlanController(PLAN), max_microbatch=4 * ROWS)
+        if kind == "ddp":
+            model = nn.parallel.DistributedDataParallel(_model())
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+            tracker = CBSTracker(model, optimizer, **common)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            from cbs_tracker.integrations.fsdp import FSDPTracker
+
+            model = _model()
+            fully_shard(model[0])
+            fully_shard(model[2])
+            fully_shard(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+            tracker = FSDPTracker(model, optimizer, **common)
         windows = []
         for window in tracker.windows(loader):
             for mb in window:
@@ -59,22 +75,22 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                     (_loss(model, mb["x"], mb["y"]) / tracker.accumulation_steps).backward()
             r = tracker.step()
             windows.append(dict(indices=[mb["index"].tolist() for mb in window],
-                                grad=[p.grad.flatten().tolist() for p in model.parameters()],
+                                grad=[_full(p.grad) for p in model.parameters()],
                                 trace_cov=r.step_trace_cov, grad_sq=r.step_grad_sq_norm,
                                 accumulation=r.accumulation_steps, micro_batch=r.micro_batch,
                                 lr=optimizer.param_groups[0]["lr"]))  # the LR carries the batch coupling
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        windows[-1]["weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        windows[-1]["weights"] = [_full(p) for p in model.parameters()]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(windows))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
-    tmp = tmp_path_factory.mktemp("mbfirst_ddp")
-    mp.spawn(_worker, args=(str(tmp / "pg"), str(tmp)), nprocs=WORLD, join=True)
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    tmp = tmp_path_factory.mktemp(f"mbfirst_{request.param}")
+    mp.spawn(_worker, args=(request.param, str(tmp / "pg"), str(tmp)), nprocs=WORLD, join=True)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
