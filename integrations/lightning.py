@@ -117,7 +117,16 @@ class CBSCallback(Callback):
         max_tokens: float | None = None,
         measure_every: int | str = 1,
         measure_target: float = 0.01,
+        max_microbatch: None = None,
     ) -> None:
+        if max_microbatch is not None:
+            raise ValueError(
+                f"CBSCallback(max_microbatch={max_microbatch!r}): growing the microbatch is not supported in "
+                "Lightning in this release: the DataLoader's batch size is fixed when the epoch's iterator starts "
+                "and batches are prefetched before the step that decides, and Lightning counts each epoch in those "
+                "batches. CBSCallback grows accumulate_grad_batches; to grow the microbatch, write the loop with "
+                "CBSTracker(max_microbatch=...)"
+            )
         if not isinstance(observe_only, bool):
             raise TypeError(f"CBSCallback(observe_only={observe_only!r}): expected True or False")
         if isinstance(controller, type):

@@ -96,8 +96,17 @@ class CBSTrainer(Trainer):
         cap_lr_at_peak: bool = False,
         measure_every: int | str = 1,
         measure_target: float = 0.01,
+        max_microbatch: None = None,
         **kwargs: Any,
     ) -> None:
+        if max_microbatch is not None:
+            raise ValueError(
+                f"CBSTrainer(max_microbatch={max_microbatch!r}): growing the microbatch is not supported by the "
+                "Hugging Face Trainer in this release: its data loader is built once with "
+                "per_device_train_batch_size and prefetched ahead of the step that decides, and its epoch and step "
+                "counters assume that size, so a larger microbatch could not be exact. CBSTrainer grows "
+                "gradient_accumulation_steps; to grow the microbatch, write the loop with CBSTracker(max_microbatch=...)"
+            )
         if not isinstance(observe_only, bool):
             raise TypeError(f"CBSTrainer(observe_only={observe_only!r}): expected True or False")
         if isinstance(controller, str):
