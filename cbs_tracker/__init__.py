@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "plan_doubling": "cbs_tracker.theory.schedule",
     "TensorBoardLogger": "cbs_tracker.integrations.tensorboard",
     "CBSCallback": "cbs_tracker.integrations.lightning",
+    "CBSDataLoader": "cbs_tracker.integrations.lightning",
     "CBSTrainer": "cbs_tracker.integrations.transformers",
     "label_tokens": "cbs_tracker.core.units",
     "leading_dim": "cbs_tracker.core.units",

@@ -12,9 +12,12 @@ epoch start); the step engine does the rest. Facts it relies on: docs/design.md.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import itertools
 import math
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -28,6 +31,7 @@ from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
+from cbs_tracker.core.loop import join_batches, leading_rows, microbatch_layout
 from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
@@ -35,7 +39,7 @@ from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_ste
 from cbs_tracker.core.units import BatchSizeFn, label_tokens, leading_dim
 from cbs_tracker.policy.lr import COUPLINGS, ScheduleTimer
 
-__all__ = ["CBSCallback", "label_tokens", "leading_dim"]
+__all__ = ["CBSCallback", "CBSDataLoader", "label_tokens", "leading_dim"]
 
 
 class CBSCallback(Callback):
@@ -117,15 +121,14 @@ class CBSCallback(Callback):
         max_tokens: float | None = None,
         measure_every: int | str = 1,
         measure_target: float = 0.01,
-        max_microbatch: None = None,
+        max_microbatch: int | None = None,
     ) -> None:
-        if max_microbatch is not None:
+        if max_microbatch is not None and (
+            isinstance(max_microbatch, bool) or not isinstance(max_microbatch, int) or max_microbatch < 1
+        ):
             raise ValueError(
-                f"CBSCallback(max_microbatch={max_microbatch!r}): growing the microbatch is not supported in "
-                "Lightning in this release: the DataLoader's batch size is fixed when the epoch's iterator starts "
-                "and batches are prefetched before the step that decides, and Lightning counts each epoch in those "
-                "batches. CBSCallback grows accumulate_grad_batches; to grow the microbatch, write the loop with "
-                "CBSTracker(max_microbatch=...)"
+                f"CBSCallback(max_microbatch={max_microbatch!r}): must be None or an integer >= 1 (sequences per "
+                "microbatch and rank; the train DataLoader must be a CBSDataLoader)"
             )
         if not isinstance(observe_only, bool):
             raise TypeError(f"CBSCallback(observe_only={observe_only!r}): expected True or False")
@@ -214,6 +217,9 @@ class CBSCallback(Callback):
         self.cap_lr_at_peak = cap_lr_at_peak
         self.retime_schedulers = retime_schedulers
         self.max_tokens = None if max_tokens is None else float(max_tokens)
+        self.max_microbatch = max_microbatch
+        self._max_group = 1  # loader batches per microbatch at most (from the first batch's rows)
+        self._loader: CBSDataLoader | None = None
 
         self.session: TrackingSession | None = None
         self.collector: GradStatsCollector | None = None
@@ -385,7 +391,47 @@ class CBSCallback(Callback):
         batches = trainer.num_training_batches
         if isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1 and self._can_grow():
             session.limit_to_epoch(int(batches), "batches")
+        if self.max_microbatch is not None:
+            self._link_loader(trainer)
 
+    def _link_loader(self, trainer: pl.Trainer) -> None:
+        """Hand the train loader this callback's layout (checked at fit start; again when loaders reload)."""
+        loader = trainer.train_dataloader
+        if not isinstance(loader, CBSDataLoader):
+            raise RuntimeError(
+                f"CBSCallback(max_microbatch={self.max_microbatch}): the train dataloader is a "
+                f"{type(loader).__name__}, not a cbs_tracker.CBSDataLoader (one loader, no CombinedLoader). Build "
+                "it as CBSDataLoader(dataset, batch_size=..., ...) with the same arguments as a DataLoader: it "
+                "joins its batches into microbatches of the size this callback sets."
+            )
+        loader._cbs_callback = self
+        self._loader = loader
+        session = self.session
+        assert session is not None
+        per_epoch = loader.base_batches()
+        if per_epoch is not None and per_epoch >= 1 and self._can_grow():
+            session.limit_to_epoch(per_epoch, "loader batches")
+
+    def _layout(self, level: int) -> tuple[int, int]:
+        assert self.session is not None
+        group = microbatch_layout(level, self._max_group, self.session.dp_degree)
+        return group, level // group
+
+    def _window_layout(self, index: int, current: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The layout ``(group, accumulation, level)`` of the window the loader starts at microbatch ``index``.
+
+        Lightning fetches a batch before it trains the previous one, so a decision reaches
+        the loader one window late. The newest pending level (else the level handed out
+        last) is taken when Lightning's counters stay aligned there: ``index`` is a
+        multiple of the new accumulation. Otherwise the window repeats ``current``.
+        """
+        session = self.session
+        assert session is not None
+        level = session.pending_accumulation or current[2]
+        group, acc = self._layout(level)
+        if (group, acc) != current[:2] and index % acc == 0:
+            return group, acc, level
+        return current
     def _attach_schedulers(self, trainer: pl.Trainer) -> None:
         session = self.session
         assert session is not None
@@ -415,6 +461,10 @@ class CBSCallback(Callback):
         if self.collector is not None and self.collector.num_microbatches:
             self.collector.reset_window()
         self._window_divisors.clear()
+        if self.max_microbatch is not None:
+            if self.session is not None:
+                self._link_loader(trainer)  # the feed applies what the loader hands out
+            return
         if self.session is not None and self.session.pending_accumulation is not None:
             self._apply_pending(trainer, batch_idx=-1)  # any value is safe: batch_idx restarts at 0
 
@@ -423,6 +473,16 @@ class CBSCallback(Callback):
             timer.owe(1)  # epoch schedulers step after this hook, once per epoch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._loader is not None and self.session is not None:
+            feed = self._loader._cbs_feed
+            if not feed:
+                raise RuntimeError(
+                    "CBSCallback(max_microbatch=...): a batch arrived that the CBSDataLoader did not hand out "
+                    "(training_step with a dataloader_iter, or a second train loader, is not supported)"
+                )
+            layout, starts = feed.popleft()
+            if starts and layout is not None:
+                self._start_layout(trainer, batch_idx, *layout)
         size = self.batch_size_fn(batch)
         try:
             self._micro_size = check_size(size, owner="CBSCallback(batch_size_fn=...)")
@@ -495,7 +555,13 @@ class CBSCallback(Callback):
             lr=float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else None,
         )
         changed = session.changed_this_step
-        if changed:
+        if changed and self.max_microbatch is not None:
+            rank_zero_info(
+                f"CBSCallback step {record.step}: batch {session.accumulation_steps} -> {session.pending_accumulation} "
+                "loader batches per window and rank, as microbatch x accumulate_grad_batches from the next window "
+                f"the loader starts ({getattr(session.last_decision, 'reason', '')})"
+            )
+        elif changed:
             rank_zero_info(
                 f"CBSCallback step {record.step}: accumulate_grad_batches {trainer.accumulate_grad_batches} -> "
                 f"{session.pending_accumulation} ({getattr(session.last_decision, 'reason', '')})"
@@ -539,10 +605,24 @@ class CBSCallback(Callback):
             return
         self._check_budget(trainer)
         new = session.pending_accumulation
+        if self.max_microbatch is not None:
+            return  # the loader hands out the new layout; on_train_batch_start applies it
         # Lightning steps when (batch_idx + 1) % A == 0 and zero-grads when batch_idx % A == 0:
         # the new value keeps both true for the next window only if it divides batch_idx + 1.
         if new is not None and (batch_idx + 1) % new == 0:
             self._apply_pending(trainer, batch_idx)
+
+    def _start_layout(self, trainer: pl.Trainer, batch_idx: int, group: int, acc: int, level: int) -> None:
+        """A window the loader handed out at ``level`` starts: Lightning accumulates ``acc`` microbatches of ``group``."""
+        session = self.session
+        assert session is not None
+        if level != session.accumulation_steps:
+            session.apply_level(level)
+            self.applied_changes.append((session.step, batch_idx, acc))
+            for timer in self._epoch_timers:
+                timer.set_coupling(session.coupling)
+        session.micro_group = group
+        trainer.accumulate_grad_batches = acc
 
     def _check_budget(self, trainer: pl.Trainer) -> None:
         session = self.session
@@ -620,3 +700,79 @@ class CBSCallback(Callback):
         dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else 1
         self._scratch_session(dp).load_state_dict(dict(state_dict))
         self._restored = dict(state_dict)
+
+
+class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """A ``DataLoader`` whose batches ``CBSCallback(max_microbatch=...)`` joins into larger microbatches.
+
+    Build it with a ``DataLoader``'s arguments; ``batch_size`` is the smallest
+    microbatch. Lightning injects its ``DistributedSampler`` as into any
+    ``DataLoader``. Under the callback it joins consecutive batches (tensors, or tuples,
+    lists and dicts of them) into microbatches of the size the callback sets, changing it
+    only at a window start, so every sample is used once per epoch and no microbatch
+    mixes two sizes. Since the microbatch may change inside an epoch it has no length
+    (``base_batches()`` counts the underlying batches): Lightning then validates at each
+    epoch's end (or every ``val_check_interval`` batches given as an int), shows no total
+    in the progress bar and has no ``estimated_stepping_batches``. Without the callback it
+    yields the underlying batches.
+    """
+
+    _cbs_callback: CBSCallback | None = None
+
+    def base_batches(self) -> int | None:
+        """The underlying batches per epoch (``None`` for an iterable dataset without a length)."""
+        try:
+            return torch.utils.data.DataLoader.__len__(self)
+        except TypeError:
+            return None
+
+    def __len__(self) -> int:
+        raise TypeError(
+            "CBSDataLoader has no length: its microbatch grows inside an epoch, so its batches per epoch are not "
+            "known in advance (base_batches() gives the underlying count)"
+        )
+
+    _cbs_feed: collections.deque[tuple[tuple[int, int, int] | None, bool]] | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self._microbatches(super().__iter__())
+
+    def _microbatches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Join the batches into the callback's microbatches; what was handed out is queued for it.
+
+        Lightning creates the epoch's iterator and fetches its first batch before any
+        training hook runs, so the callback may be linked only after the first batch:
+        until then batches pass one by one (the starting layout). Each queued entry is
+        the window's layout ``(group, accumulation, level)`` (``None`` before the link)
+        and whether a window starts there.
+        """
+        feed: collections.deque[tuple[tuple[int, int, int] | None, bool]] = collections.deque()
+        self._cbs_feed = feed
+        try:
+            head = next(batches)
+        except StopIteration:
+            return
+        rows = leading_rows(head)
+        batches = itertools.chain([head], batches)
+        index, in_window = 0, 0
+        layout: tuple[int, int, int] | None = None
+        while True:
+            callback = self._cbs_callback
+            if callback is not None and callback.session is not None and layout is None:
+                # linked now: the batches so far ran one by one at the starting level
+                assert callback.max_microbatch is not None
+                callback._max_group = max(1, callback.max_microbatch // max(rows, 1))
+                level = callback.session.accumulation_steps
+                layout, in_window = (1, level, level), index % level
+            if layout is not None and in_window == 0:
+                assert callback is not None
+                layout = callback._window_layout(index, layout)
+            group = 1 if layout is None else layout[0]
+            parts = list(itertools.islice(batches, group))
+            if not parts:
+                return
+            feed.append((layout, in_window == 0))
+            yield join_batches(parts)
+            index += 1
+            if layout is not None:
+                in_window = (in_window + 1) % layout[1]

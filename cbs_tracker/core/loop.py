@@ -296,13 +296,7 @@ class LoopTracker:
         return self.session.accumulation_steps
 
     def _layout(self, level: int) -> int:
-        """Loader batches per microbatch for a window of ``level`` loader batches: the largest power of
-        two within the cap that divides it and leaves at least two microbatches on one rank."""
-        least = 2 if self.session.dp_degree == 1 else 1
-        group = 1
-        while group * 2 <= self._max_group and level % (group * 2) == 0 and level // (group * 2) >= least:
-            group *= 2
-        return group
+        return microbatch_layout(level, self._max_group, self.session.dp_degree)
 
     def windows(self, loader: Any) -> Iterator[list[Any]]:
         """The loader's batches as windows of microbatches of the current layout, each batch used once.
@@ -322,7 +316,7 @@ class LoopTracker:
                     head = next(it)
                 except StopIteration:
                     return
-                rows = _leading(head)
+                rows = leading_rows(head)
                 self._max_group = max(1, self.max_microbatch // max(rows, 1))
                 if self._oom_group is not None:
                     self._max_group = min(self._max_group, self._oom_group)
@@ -691,6 +685,21 @@ class LoopTracker:
         self.session.detach_scheduler()
 
 
+def microbatch_layout(level: int, max_group: int, dp_degree: int) -> int:
+    """Loader batches per microbatch for a window of ``level`` loader batches per rank: the largest power
+    of two up to ``max_group`` that divides it and, on one rank, leaves at least two microbatches."""
+    least = 2 if dp_degree == 1 else 1
+    group = 1
+    while group * 2 <= max_group and level % (group * 2) == 0 and level // (group * 2) >= least:
+        group *= 2
+    return group
+
+
+def join_batches(parts: list[Any]) -> Any:
+    """``parts[0]`` when alone, else the loader batches joined into one (see :func:`_join`)."""
+    return parts[0] if len(parts) == 1 else _join(parts)
+
+
 class _Window(list):  # type: ignore[type-arg]
     """One optimizer step's microbatches, handed out by :meth:`LoopTracker.windows`.
 
@@ -707,7 +716,7 @@ class _Window(list):  # type: ignore[type-arg]
 
     def resplit(self, group: int, *, restart: bool = True) -> None:
         chunks = [self._parts[i : i + group] for i in range(0, len(self._parts), group)]
-        self[:] = [c[0] if len(c) == 1 else _join(c) for c in chunks]
+        self[:] = [join_batches(c) for c in chunks]
         self._restart = restart
 
     def __iter__(self) -> Iterator[Any]:
@@ -760,13 +769,13 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-def _leading(batch: Any) -> int:
+def leading_rows(batch: Any) -> int:
     """Rows of a batch: the leading dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
     values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
     for v in values:
-        n = _leading(v)
+        n = leading_rows(v)
         if n:
             return n
     return 0
@@ -784,4 +793,4 @@ def _join(parts: list[Any]) -> Any:
         if hasattr(first, "_fields"):  # a named tuple
             return type(first)(*joined)
         return tuple(joined) if isinstance(first, tuple) else joined
-    raise TypeError(f"LoopTracker.windows: cannot join loader batches of type {type(first).__name__}")
+    raise TypeError(f"cannot join loader batches of type {type(first).__name__} (tensors, tuples, lists, dicts)")

@@ -498,6 +498,20 @@ class TrackingSession:
         self._set_coupling(coupling_factor(self.coupling_mode, new / self.starting_accumulation))
         return new
 
+    def apply_level(self, level: int) -> int | None:
+        """Make ``level`` current: what an adapter whose data runs ahead already handed out.
+
+        The pending value is cleared when it is ``level``; a newer one stays pending.
+        Returns ``level`` when it changed anything, else ``None``.
+        """
+        if self.pending_accumulation == level:
+            return self.apply_pending()
+        if level == self.accumulation_steps:
+            return None
+        self.accumulation_steps = int(level)
+        self._set_coupling(coupling_factor(self.coupling_mode, level / self.starting_accumulation))
+        return level
+
     def limit_to_epoch(self, per_epoch: int, what: str) -> None:
         """Never grow a window beyond an epoch of ``per_epoch`` ``what`` (a window never spans two epochs).
 
