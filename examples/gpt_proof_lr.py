@@ -16,6 +16,7 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
   rerun with the new defaults);
 * ``tracker_mbfirst`` (cosine): the default controller growing the microbatch first
   (``max_microbatch``), for the wall-clock comparison;
+* ``tracker_kappa04`` (cosine and WSD): the default controller at ``kappa=0.4``;
 * ``constant_512_fast`` (cosine): constant 512 at its fastest layout on one process, one
   512-token microbatch per step, without the tracker (no noise scale is measurable there).
 
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
 
 SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
-             "tracker_mbfirst", "constant_fast")
+             "tracker_mbfirst", "constant_fast", "tracker_kappa04")
 #: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
 MBFIRST_MAX_SEQUENCES = 16
 BASELINE_TOKENS = 512
@@ -86,6 +87,8 @@ def plan(setting: base.Setting) -> list[Run]:
         runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
     runs += [Run("tracker_mbfirst", seed, "cosine") for seed in setting.seeds]  # microbatch first, wall-clock
     runs += [Run("constant_fast", seed, "cosine") for seed in setting.seeds]  # constant 512, one microbatch
+    # the default controller at kappa = 0.4 instead of 0.5 (a retuning experiment)
+    runs += [Run("tracker_kappa04", seed, s) for seed in setting.seeds for s in ("cosine", "wsd")]
     return runs
 
 
@@ -103,6 +106,8 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController(convert_lr_decay=True, kappa=1.0)
     if run.schedule == "tracker_budget":
         return BatchSizeController(budget_tokens=setting.budget_tokens)
+    if run.schedule == "tracker_kappa04":
+        return BatchSizeController(kappa=0.4)
     raise ValueError(f"unknown schedule {run.schedule!r}; expected one of {SCHEDULES}")
 
 
@@ -299,7 +304,7 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = {"constant": "black", "tracker_default": "tab:blue", "tracker_convert": "tab:red",
               "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green", "tracker_mbfirst": "tab:purple",
-              "constant_fast": "gray"}
+              "constant_fast": "gray", "tracker_kappa04": "tab:brown"}
     for col, lr_schedule in enumerate(("cosine", "wsd")):
         for r in results.values():
             if r["lr_schedule"] != lr_schedule or r["seed"] != 0 or "evals" not in r:
