@@ -350,6 +350,32 @@ def draw_wallclock(results: dict[str, dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def wallclock(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per seed of the cosine schedule: training time (evaluations left out) and loss of each timed run.
+
+    ``reach_s``: the training seconds at the first evaluation at or below constant 512's final
+    validation loss (``None`` if never). Ratios are against constant 512 (2 x 256-token
+    microbatches, the proof's layout) and constant 512 at one 512-token microbatch.
+    """
+    rows = []
+    for seed in sorted({r["seed"] for r in results.values()}):
+        ref = results.get(Run("constant", seed, "cosine").name)
+        if ref is None or "train_only_s" not in ref:
+            continue
+        row: dict[str, Any] = {"seed": seed}
+        for key, schedule in (("constant", "constant"), ("constant_fast", "constant_fast"),
+                              ("accumulation_only", "tracker_default"), ("microbatch_first", "tracker_mbfirst")):
+            r = results.get(Run(schedule, seed, "cosine").name)
+            if r is None or "train_only_s" not in r:
+                continue
+            e = r["evals"]
+            reach = next((t for t, v in zip(e["train_s"], e["val_loss"]) if v <= ref["final_val_loss"]), None)
+            row[key] = {"final_val_loss": r["final_val_loss"], "steps": r["steps"], "train_s": r["train_only_s"],
+                        "reach_s": reach, "vs_constant": round(r["train_only_s"] / ref["train_only_s"], 3)}
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/proof_lr")
@@ -387,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "runs": rows}, indent=1))
     (out / "table.md").write_text(table(rows))
     draw(results, out / "proof_lr.png")
-    draw_wallclock(results, out / "wallclock.png")
+    if draw_wallclock(results, out / "wallclock.png"):
+        (out / "wallclock.json").write_text(json.dumps(wallclock(results), indent=1))
     print(table(rows))
     return 0
 
