@@ -19,7 +19,7 @@ import torch
 from cbs_tracker.integrations.lightning import label_tokens
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from cbs_tracker import BatchSizeController, CBSCallback
+from cbs_tracker import BatchSizeController, CBSCallback, CBSDataLoader
 from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus, windows
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress-bar", action="store_true", help="show Lightning's progress bar")
     p.add_argument("--log-every-n-steps", type=int, default=10, help="log every this many steps")
     p.add_argument("--quick", action="store_true", help="tiny budget and fast controller settings")
+    p.add_argument("--max-microbatch", type=int, default=None,
+                   help="grow the microbatch first, up to this many sequences (a CBSDataLoader feeds the Trainer)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -110,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.tokens
     sequences = int(budget // SEQ_LEN)
     per_epoch = max(MICRO_SEQUENCES, sequences // args.epochs)
-    data = torch.utils.data.DataLoader(Windows(corpus.train, per_epoch), batch_size=MICRO_SEQUENCES)
+    loader_class = torch.utils.data.DataLoader if args.max_microbatch is None else CBSDataLoader
+    data = loader_class(Windows(corpus.train, per_epoch), batch_size=MICRO_SEQUENCES)
 
-    cbs = CBSCallback(controller=controller, batch_size_fn=label_tokens())  # unit: tokens
+    cbs = CBSCallback(controller=controller, batch_size_fn=label_tokens(),  # unit: tokens
+                      max_microbatch=args.max_microbatch)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -136,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         val = evaluate(module.model, corpus.val, seq_len=SEQ_LEN, num_sequences=64)
         ns = cbs.noise_scale
         a = trainer.accumulate_grad_batches
+        micro = MICRO_SEQUENCES * (1 if cbs.session is None else cbs.session.micro_group)
         print(
             f"done in {time.perf_counter() - start:.0f}s: {cbs.steps} optimizer steps, {cbs.tokens_seen:,.0f} "
             f"tokens, val loss {val:.3f} nats/byte, noise scale {'-' if ns is None else f'{ns:,.0f}'} tokens, "
-            f"accumulate_grad_batches {a} (global batch {a * MICRO_SEQUENCES * SEQ_LEN * trainer.world_size:,} "
-            f"tokens), logs in {trainer.logger.log_dir}",
+            f"accumulate_grad_batches {a} x {micro} sequences (global batch "
+            f"{a * micro * SEQ_LEN * trainer.world_size:,} tokens), logs in {trainer.logger.log_dir}",
             flush=True,
         )
     return 0
