@@ -57,6 +57,7 @@ class FSDPTracker(LoopTracker):
     """
 
     big_norm_is_sharded = True
+    oom_recoverable = False
 
     def __init__(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -87,6 +89,18 @@ def test_window_gradients_and_per_step_estimates_are_exact_across_microbatch_cha
         assert r.step_trace_cov == pytest.approx(want.trace_cov, rel=1e-9)
 
 
+@pytest.mark.parametrize("left", [3, 5])  # loader batches in the last window: one short microbatch; 4 + 1
+def test_a_window_cut_short_by_the_loader_runs_and_divides_by_what_is_there(left):
+    n = ROWS * (2 * 3 + 4 * 3 + left)
+    _, windows, records, _ = _run(n, max_microbatch=8)
+    last = windows[-1]
+    assert [len(mb) for mb in last["indices"]] == ([6] if left == 3 else [8, 2])
+    assert [i for w in windows for mb in w["indices"] for i in mb] == list(range(n))
+    # the loop divided by tracker.accumulation_steps, which counted the microbatches really there
+    torch.testing.assert_close(last["grad"], last["parts"].mean(0), rtol=1e-12, atol=1e-14)
+    assert records[-1].tokens_seen == n
+
+
 def test_windows_work_with_loader_workers():
     n = ROWS * (2 * 3 + 4 * 3 + 8 * 1)
     _, windows, _, _ = _run(n, max_microbatch=4, workers=2)
@@ -151,13 +165,14 @@ class TwoLayer(nn.Module):
         return self.b(h).squeeze(-1)  # b's gradient is accumulated before _OOM's backward runs
 
 
-def _train(n: int, *, max_microbatch, limit: int | None = None, where: str = "forward", plan=PLAN):
+def _train(n: int, *, max_microbatch, limit: int | None = None, where: str = "forward", plan=PLAN,
+           tracker_class=CBSTracker):
     data = Indexed(n)
     loader = torch.utils.data.DataLoader(data, batch_size=ROWS, shuffle=False)
     model = TwoLayer(limit, where)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples", controller=PlanController(plan),
-                         max_microbatch=max_microbatch)
+    tracker = tracker_class(model, optimizer, accumulation_steps=2, unit="samples",
+                            controller=PlanController(plan), max_microbatch=max_microbatch)
     used, records, grads = [], [], []
     for window in tracker.windows(loader):
         for mb in window:
@@ -246,3 +261,33 @@ def test_auto_picks_the_largest_microbatch_the_measured_memory_allows(monkeypatc
         model.zero_grad(set_to_none=True)
     # levels 2, 4, 8, 16, 32 loader batches: the microbatch doubles with the level up to 16 rows, then accumulates
     assert rows == [(2, 2)] * 3 + [(2, 4)] * 3 + [(2, 8)] * 3 + [(2, 16)] * 3 + [(4, 16)] * 2
+
+
+def test_what_an_out_of_memory_error_taught_survives_a_checkpoint():
+    n = ROWS * (2 * 3 + 4 * 3 + 8 * 3)
+    with pytest.warns(UserWarning, match="out of memory at a microbatch of 4 loader batches"):
+        tracker, _, _, _, _ = _train(n, max_microbatch=8, limit=4)
+    state = tracker.state_dict()
+    assert state["microbatch_layout"] == {"good_group": 2, "oom_group": 2}
+    model = TwoLayer(4, "forward")  # the same memory limit: 8 rows fail
+    fresh = CBSTracker(model, accumulation_steps=2, unit="samples", controller=PlanController({}), max_microbatch=8)
+    fresh.load_state_dict(state)
+    loader = torch.utils.data.DataLoader(Indexed(ROWS * 8 * 2), batch_size=ROWS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second out-of-memory attempt
+        for window in fresh.windows(loader):
+            for mb in window:
+                with fresh.microbatch(size=len(mb["index"])):
+                    model(mb["x"]).pow(2).mean().backward()
+            assert len(window[0]["index"]) == 4  # level 8 at the learned cap of 2 loader batches
+            fresh.step()
+            model.zero_grad(set_to_none=True)
+
+
+def test_out_of_memory_is_raised_where_dropping_the_gradients_cannot_redo_the_window():
+    class NotRecoverable(CBSTracker):  # what FSDPTracker declares (its backward keeps state of its own)
+        oom_recoverable = False
+
+    with pytest.warns(UserWarning, match="under DDP or FSDP2 the failed backward leaves state"):
+        with pytest.raises(torch.OutOfMemoryError):
+            _train(ROWS * (2 * 3 + 4 * 3 + 8 * 3), max_microbatch=8, limit=4, tracker_class=NotRecoverable)

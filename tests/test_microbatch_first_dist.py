@@ -26,7 +26,7 @@ from tests.test_microbatch_first import ROWS, Indexed
 WORLD = 2
 PLAN = {3: 4, 6: 8, 9: 16}  # loader batches per rank and window, decided at these steps
 LEVELS = [2] * 3 + [4] * 3 + [8] * 3 + [16] * 2
-N = WORLD * ROWS * sum(LEVELS)
+N = WORLD * ROWS * (sum(LEVELS) + 3)  # and a last window cut short: 3 loader batches per rank
 LR = 0.05
 
 
@@ -101,8 +101,8 @@ def test_each_sample_once_per_epoch_in_the_same_layout_on_every_rank(ranks):
     assert layouts[0] == layouts[1]
     # levels 2, 4, 8, 16 loader batches of 2 rows per rank, microbatches of at most 8 rows: with two ranks one
     # microbatch per rank is enough (K = 2 over the group)
-    assert layouts[0] == [(1, 4)] * 3 + [(1, 8)] * 3 + [(2, 8)] * 3 + [(4, 8)] * 2
-    assert [w["accumulation"] for w in ranks[0]] == LEVELS
+    assert layouts[0] == [(1, 4)] * 3 + [(1, 8)] * 3 + [(2, 8)] * 3 + [(4, 8)] * 2 + [(1, 6)]
+    assert [w["accumulation"] for w in ranks[0]][:-1] == LEVELS
 
 
 def test_window_gradients_estimates_and_weights_equal_the_single_process_reference(ranks):
@@ -136,3 +136,49 @@ def test_window_gradients_estimates_and_weights_equal_the_single_process_referen
     final = [torch.tensor(p, dtype=torch.float64) for p in ranks[0][-1]["weights"]]
     for got, want in zip(final, model.parameters(), strict=True):
         torch.testing.assert_close(got.flatten(), want.detach().flatten(), rtol=1e-10, atol=1e-12)
+
+
+def _auto_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """``max_microbatch="auto"`` with a device whose free memory differs by rank (a fake probe)."""
+    import cbs_tracker.core.loop as loop
+    from tests.test_microbatch_first import _FakeMemory
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                           timeout=timedelta(seconds=60))
+    try:
+        # 0.85 * 1500 - base for activations at 40 bytes per row: rank 0 (base 100) fits 29 rows (16 as a power
+        # of two of the loader's 2), rank 1 (base 700) 14 rows (8)
+        memory = _FakeMemory(base=100 if rank == 0 else 700, per_row=40, total=1500)
+        loop._cuda_memory_probe = lambda model, owner: memory
+        data = Indexed(N)
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=False)
+        loader = torch.utils.data.DataLoader(data, batch_size=ROWS, sampler=sampler)
+        model = nn.parallel.DistributedDataParallel(_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples",
+                             controller=PlanController(PLAN), max_microbatch="auto")
+        layouts = []
+        for window in tracker.windows(loader):
+            for mb in window:
+                with tracker.microbatch(size=len(mb["index"])):
+                    memory.rows = max(memory.rows, len(mb["index"]))
+                    (_loss(model, mb["x"], mb["y"]) / tracker.accumulation_steps).backward()
+            layouts.append((len(window), len(window[0]["index"])))
+            tracker.step()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out = dict(layouts=layouts, weights=[_full(p) for p in model.parameters()])
+        Path(out_dir, f"auto{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_auto_takes_the_smallest_fit_of_all_ranks(tmp_path):
+    mp.spawn(_auto_worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [json.loads((tmp_path / f"auto{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["layouts"] == ranks[1]["layouts"], ranks[0]["layouts"]
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical
+    # rank 1 fits 8 rows (4 loader batches), rank 0 would take 16 rows: both run the level-16 windows as 4
+    # microbatches of 8 rows (the first window, before any measurement, at the loader's batch)
+    assert ranks[0]["layouts"] == [[2, 2]] + [[1, 4]] * 2 + [[1, 8]] * 3 + [[2, 8]] * 3 + [[4, 8]] * 2 + [[1, 6]]

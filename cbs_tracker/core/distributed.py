@@ -86,6 +86,15 @@ def all_reduce_sum(values: torch.Tensor, group: Any | None) -> torch.Tensor:
     return values
 
 
+def all_reduce_min(value: int, group: Any | None, device: torch.device | None = None) -> int:
+    """The smallest ``value`` over ``group`` (``max_microbatch="auto"``: one extra collective per step)."""
+    if not (is_distributed() and group_size(group) > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=reduction_device(group, device or torch.device("cpu")))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
 def reduction_device(group: Any | None, fallback: torch.device) -> torch.device:
     """Where the reduction vector must live: the backend's device (CUDA for NCCL, CPU for gloo)."""
     if not is_distributed():

@@ -103,6 +103,9 @@ class LoopTracker:
     #: the big-norm partial of every rank is a shard of the gradient (sum over ranks)
     #: rather than a replica (take one rank's)
     big_norm_is_sharded = False
+    #: a failed window can be redone by dropping ``.grad`` (not under FSDP2, whose backward keeps
+    #: unsharded gradients of its own, nor under DDP, whose reducer is left mid-iteration)
+    oom_recoverable = True
 
     def __init__(
         self,
@@ -281,6 +284,8 @@ class LoopTracker:
     @property
     def accumulation_steps(self) -> int:
         """Microbatches per rank in the current (or, between windows, the next) window."""
+        if self._in_microbatch or self._window_index > 0:
+            return self._window_divisor  # the open window (a short last one from windows() says so)
         return self._level() // self._layout(self._level())
 
     @property
@@ -328,6 +333,7 @@ class LoopTracker:
                 return
             window = _Window(parts, group)
             self._current_window = window
+            self._restarted = False
             yield window
 
     @property
@@ -460,11 +466,23 @@ class LoopTracker:
         group = self._layout(self.session.accumulation_steps)
         self.session.micro_group = group
         self._window_divisor = self.session.accumulation_steps // group
+        window = self._current_window
+        if window is not None and window.iterating and 0 < len(window) < self._window_divisor:
+            self._window_divisor = len(window)  # the loader ended inside this window: it runs what is there
 
     # ------------------------------------------------------------------ microbatch size
     def _recoverable(self, exc: BaseException) -> bool:
         """An out-of-memory error in the first window at a larger microbatch, handed out by :meth:`windows`."""
         if not _is_oom(exc) or self.max_microbatch is None or self.session.micro_group <= self._good_group:
+            return False
+        if not self.oom_recoverable or self._skips_sync():
+            warnings.warn(
+                f"{type(self).__name__}: out of memory at a microbatch of {self.session.micro_group} loader batches; "
+                "under DDP or FSDP2 the failed backward leaves state that dropping the gradients does not clear, "
+                f"so the error is raised. Set max_microbatch to at most {self._good_group} loader batches' sequences.",
+                UserWarning,
+                stacklevel=4,
+            )
             return False
         window = self._current_window
         if window is None or not window.iterating:
@@ -489,10 +507,10 @@ class LoopTracker:
             p.grad = None
         self.collector.reset_window()
         self._window_index = 0
+        assert self._current_window is not None
+        self._current_window.resplit(self._layout(self.session.accumulation_steps))
         self._set_layout()
         self._restarted = True
-        assert self._current_window is not None
-        self._current_window.resplit(self.session.micro_group)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         warnings.warn(
@@ -514,6 +532,8 @@ class LoopTracker:
         fit = self._good_group
         while per_group * fit * 2 <= room:
             fit *= 2
+        if self.session.dp_degree > 1:  # every rank must take the same layout: the smallest fit
+            fit = cbs_dist.all_reduce_min(int(fit), self.dp_group, getattr(self._memory, "device", None))
         self._max_group = fit if self._oom_group is None else min(fit, self._oom_group)
 
     def step(self) -> StepRecord:
@@ -663,7 +683,10 @@ class LoopTracker:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the same run after a restart (plain numbers, versioned)."""
-        return self.session.state_dict()
+        state = self.session.state_dict()
+        if self.max_microbatch is not None:  # what out-of-memory errors taught about the microbatch
+            state = {**state, "microbatch_layout": {"good_group": self._good_group, "oom_group": self._oom_group}}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (between windows, before the first microbatch).
@@ -676,8 +699,15 @@ class LoopTracker:
         """
         if self._window_index != 0:
             raise RuntimeError(f"{type(self).__name__}.load_state_dict: call it between windows, not inside one")
+        state = dict(state)
+        layout = state.pop("microbatch_layout", None)
         self.session.load_state_dict(state)
         self._window_divisor = self.session.accumulation_steps
+        if layout is not None and self.max_microbatch is not None:
+            self._good_group = int(layout["good_group"])
+            self._oom_group = None if layout["oom_group"] is None else int(layout["oom_group"])
+            if self._oom_group is not None:
+                self._max_group = min(self._max_group, self._oom_group)
 
     def remove_hooks(self) -> None:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
