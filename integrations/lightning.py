@@ -220,6 +220,7 @@ class CBSCallback(Callback):
         self.max_microbatch = max_microbatch
         self._max_group = 1  # loader batches per microbatch at most (from the first batch's rows)
         self._loader: CBSDataLoader | None = None
+        self._trainer: pl.Trainer | None = None
 
         self.session: TrackingSession | None = None
         self.collector: GradStatsCollector | None = None
@@ -328,6 +329,7 @@ class CBSCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_configuration(trainer, pl_module)
+        self._trainer = trainer
         self.dp_group = cbs_dist.resolve_dp_group(self.process_group)
         # DDP averages the gradients over its ranks (Lightning's DDP uses the world).
         self._avg_ranks = trainer.world_size if trainer.world_size > 1 else 1
@@ -389,10 +391,10 @@ class CBSCallback(Callback):
         if self.retime_schedulers and session.optimizer is not None:
             self._attach_schedulers(trainer)
         batches = trainer.num_training_batches
-        if isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1 and self._can_grow():
-            session.limit_to_epoch(int(batches), "batches")
         if self.max_microbatch is not None:
-            self._link_loader(trainer)
+            self._link_loader(trainer)  # the epoch cap counts the loader's batches, not microbatches
+        elif isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1 and self._can_grow():
+            session.limit_to_epoch(int(batches), "batches")
 
     def _link_loader(self, trainer: pl.Trainer) -> None:
         """Hand the train loader this callback's layout (checked at fit start; again when loaders reload)."""
@@ -480,7 +482,14 @@ class CBSCallback(Callback):
                     "CBSCallback(max_microbatch=...): a batch arrived that the CBSDataLoader did not hand out "
                     "(training_step with a dataloader_iter, or a second train loader, is not supported)"
                 )
-            layout, starts = feed.popleft()
+            layout, starts, index = feed.popleft()
+            if index != batch_idx:
+                raise RuntimeError(
+                    f"CBSCallback(max_microbatch={self.max_microbatch}): Lightning's batch {batch_idx} is the "
+                    f"loader's microbatch {index}: Lightning's counters and the loader's windows no longer line up "
+                    "(a run resumed in the middle of an epoch, or limit_train_batches cut the loader). Resume from "
+                    "checkpoints saved at epoch ends, or grow the accumulation only (max_microbatch=None)."
+                )
             if starts and layout is not None:
                 self._start_layout(trainer, batch_idx, *layout)
         size = self.batch_size_fn(batch)
@@ -650,6 +659,7 @@ class CBSCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._remove_hooks()
+            self._trainer = None
 
     def _remove_hooks(self) -> None:
         if self.collector is not None:
@@ -732,7 +742,7 @@ class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             "known in advance (base_batches() gives the underlying count)"
         )
 
-    _cbs_feed: collections.deque[tuple[tuple[int, int, int] | None, bool]] | None = None
+    _cbs_feed: collections.deque[tuple[tuple[int, int, int] | None, bool, int]] | None = None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return self._microbatches(super().__iter__())
@@ -746,7 +756,11 @@ class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         the window's layout ``(group, accumulation, level)`` (``None`` before the link)
         and whether a window starts there.
         """
-        feed: collections.deque[tuple[tuple[int, int, int] | None, bool]] = collections.deque()
+        callback = self._cbs_callback
+        if callback is not None and callback._trainer is not None and not callback._trainer.training:
+            yield from batches  # the same loader used for validation: its batches as they are, nothing queued
+            return
+        feed: collections.deque[tuple[tuple[int, int, int] | None, bool, int]] = collections.deque()
         self._cbs_feed = feed
         try:
             head = next(batches)
@@ -771,7 +785,7 @@ class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             parts = list(itertools.islice(batches, group))
             if not parts:
                 return
-            feed.append((layout, in_window == 0))
+            feed.append((layout, in_window == 0, index))
             yield join_batches(parts)
             index += 1
             if layout is not None:

@@ -34,6 +34,9 @@ class Regression(pl.LightningModule):
         self.seen.append(dict(epoch=self.current_epoch, step=self.trainer.global_step, index=batch["index"].tolist()))
         return 0.5 * (self.lin(batch["x"]).squeeze(-1) - batch["y"]).pow(2).mean()
 
+    def validation_step(self, batch, batch_idx):
+        return 0.5 * (self.lin(batch["x"]).squeeze(-1) - batch["y"]).pow(2).mean()
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
@@ -50,16 +53,17 @@ class StepLog(pl.Callback):
                                acc=trainer.accumulate_grad_batches, record=self.cbs.last_record))
 
 
-def _fit(epochs: int = 2, **loader_kw):
+def _fit(epochs: int = 2, *, shuffle: bool = True, validate_on_train_loader: int | None = None, **loader_kw):
     cbs = CBSCallback(controller=PlanController(PLAN), max_microbatch=4 * ROWS, unit="samples", prog_bar=False)
     log = StepLog(cbs)
     module = Regression()
-    loader = CBSDataLoader(Indexed(N), batch_size=ROWS, shuffle=True, generator=torch.Generator().manual_seed(0),
-                           **loader_kw)
+    loader = CBSDataLoader(Indexed(N), batch_size=ROWS, shuffle=shuffle,
+                           generator=torch.Generator().manual_seed(0) if shuffle else None, **loader_kw)
+    kw = {} if validate_on_train_loader is None else dict(val_check_interval=validate_on_train_loader)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=2, logger=False,
-                         callbacks=[cbs, log],
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, loader)
+                         callbacks=[cbs, log], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, **kw)
+    trainer.fit(module, loader, loader if validate_on_train_loader is not None else None)
     return module, log, cbs
 
 
@@ -127,6 +131,39 @@ def test_loader_workers_give_the_same_run(run):
     other, other_log, _ = _fit(num_workers=2)
     assert [s["index"] for s in other.seen] == [s["index"] for s in module.seen]
     torch.testing.assert_close(other.lin.weight, module.lin.weight, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_validating_on_the_same_loader_mid_epoch_leaves_training_as_it_was():
+    # the same CBSDataLoader object as train and val loader, validated every 3 batches: validation reads its
+    # batches as they are and training runs exactly as without it
+    plain, plain_log, _ = _fit(epochs=1, shuffle=False)
+    shared, shared_log, _ = _fit(epochs=1, shuffle=False, validate_on_train_loader=3)
+    assert [s["index"] for s in shared.seen] == [s["index"] for s in plain.seen]
+    assert [s["acc"] for s in shared_log.steps] == [s["acc"] for s in plain_log.steps]
+    torch.testing.assert_close(shared.lin.weight, plain.lin.weight, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_resume_in_the_middle_of_an_epoch_is_refused_before_a_window_is_misread(tmp_path):
+    class SaveAt(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 8 and not (tmp_path / "mid.ckpt").exists():
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    def trainer(cbs, *extra):
+        return pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=2, logger=False,
+                          callbacks=[cbs, *extra], enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False)
+
+    def cbs():
+        return CBSCallback(controller=PlanController(PLAN), max_microbatch=4 * ROWS, unit="samples", prog_bar=False)
+
+    loader = CBSDataLoader(Indexed(N), batch_size=ROWS)
+    trainer(cbs(), SaveAt()).fit(Regression(), loader)
+    with pytest.raises(RuntimeError, match=r"Lightning's batch \d+ is the loader's microbatch 0: Lightning's counters "
+                                           r"and the loader's windows no longer line up"):
+        trainer(cbs()).fit(Regression(), loader, ckpt_path=tmp_path / "mid.ckpt")
 
 
 def test_the_setup_is_checked_at_fit_start():
