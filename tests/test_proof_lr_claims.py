@@ -37,3 +37,34 @@ def test_readme_proof_table_is_what_the_script_wrote(header, results):
     # every tracker run is named as such and carries its LR schedule
     assert all(r["lr_schedule"] in ("cosine", "wsd", "constant") for r in runs.values())
     assert all(r["schedule"] == "constant" or r["schedule"].startswith("tracker") for r in runs.values())
+
+
+def test_microbatch_first_wallclock_table_is_what_the_script_wrote():
+    """docs/results.md's wall-clock table against docs/proof_mbfirst_wallclock.json, through the script's own
+    formatter; the README's row quotes the microbatch-first time ratios and loss gaps of both seeds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpt_proof_lr_claims", ROOT / "examples" / "gpt_proof_lr.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    sys.modules[spec.name] = script  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(script)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+        del sys.modules[spec.name]
+    rows = json.loads((ROOT / "docs" / "proof_mbfirst_wallclock.json").read_text())
+    header = "| seed | run | final val loss | vs constant 512 | optimizer steps | training seconds |"
+    assert _readme_rows(header) == [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in script.wallclock_table(rows).splitlines()[2:]
+    ]
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("| growing the microbatch first"))
+    for row in rows:
+        mb = row["microbatch_first"]
+        assert f"{mb['vs_constant']:.2f}×" in line
+        assert f"{mb['final_val_loss'] - row['constant']['final_val_loss']:+.3f}".replace("-", "−") in line
