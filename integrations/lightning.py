@@ -31,7 +31,7 @@ from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
-from cbs_tracker.core.loop import join_batches, leading_rows, microbatch_layout
+from cbs_tracker.core.loop import group_cap, join_batches, leading_rows, microbatch_layout
 from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
@@ -775,7 +775,7 @@ class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             if callback is not None and callback.session is not None and layout is None:
                 # linked now: the batches so far ran one by one at the starting level
                 assert callback.max_microbatch is not None
-                callback._max_group = max(1, callback.max_microbatch // max(rows, 1))
+                callback._max_group = group_cap(callback.max_microbatch, rows)
                 level = callback.session.accumulation_steps
                 layout, in_window = (1, level, level), index % level
             if layout is not None and in_window == 0:

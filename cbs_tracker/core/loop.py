@@ -166,7 +166,7 @@ class LoopTracker:
         self.loss_divided_by_accumulation = bool(loss_divided_by_accumulation)
         self.loss_normalization = loss_normalization
         self.max_microbatch = max_microbatch
-        self._max_group = 1  # loader batches per microbatch at most (set by windows() from the batch size)
+        self._cap_group = 1  # loader batches per microbatch allowed by the cap (windows(): rows; 'auto': memory)
         self._good_group = 1  # the largest microbatch (in loader batches) that completed a window
         self._oom_group: int | None = None  # the cap an out-of-memory error left
         self._memory = _cuda_memory_probe(model, name) if max_microbatch == "auto" else None
@@ -300,6 +300,11 @@ class LoopTracker:
             return self.session.pending_accumulation
         return self.session.accumulation_steps
 
+    @property
+    def _max_group(self) -> int:
+        """Loader batches per microbatch at most: the cap, and never above what an out-of-memory error left."""
+        return self._cap_group if self._oom_group is None else min(self._cap_group, self._oom_group)
+
     def _layout(self, level: int) -> int:
         return microbatch_layout(level, self._max_group, self.session.dp_degree)
 
@@ -322,9 +327,7 @@ class LoopTracker:
                 except StopIteration:
                     return
                 rows = leading_rows(head)
-                self._max_group = max(1, self.max_microbatch // max(rows, 1))
-                if self._oom_group is not None:
-                    self._max_group = min(self._max_group, self._oom_group)
+                self._cap_group = group_cap(self.max_microbatch, rows)
                 it = itertools.chain([head], it)
             first = False
             group, count = self.microbatch_batches, self.accumulation_steps
@@ -475,34 +478,27 @@ class LoopTracker:
         """An out-of-memory error in the first window at a larger microbatch, handed out by :meth:`windows`."""
         if not _is_oom(exc) or self.max_microbatch is None or self.session.micro_group <= self._good_group:
             return False
-        if not self.oom_recoverable or self._skips_sync():
-            warnings.warn(
-                f"{type(self).__name__}: out of memory at a microbatch of {self.session.micro_group} loader batches; "
-                "under DDP or FSDP2 the failed backward leaves state that dropping the gradients does not clear, "
-                f"so the error is raised. Set max_microbatch to at most {self._good_group} loader batches' sequences.",
-                UserWarning,
-                stacklevel=4,
-            )
-            return False
         window = self._current_window
         if window is None or not window.iterating:
             return False
-        if self.session.dp_degree > 1:
-            warnings.warn(
-                f"{type(self).__name__}: out of memory at a microbatch of {self.session.micro_group} loader batches "
-                "on one of several ranks; the other ranks cannot redo their window in step, so the error is "
-                f"raised. Set max_microbatch to at most {self._good_group} loader batches' sequences.",
-                UserWarning,
-                stacklevel=4,
-            )
-            return False
-        return True
+        if not self.oom_recoverable or self._skips_sync():
+            why = "under DDP or FSDP2 the failed backward leaves state that dropping the gradients does not clear"
+        elif self.session.dp_degree > 1:
+            why = "on one of several ranks the other ranks cannot redo their window in step"
+        else:
+            return True
+        warnings.warn(
+            f"{type(self).__name__}: out of memory at a microbatch of {self.session.micro_group} loader batches; {why}, "
+            f"so the error is raised. Set max_microbatch to at most {self._good_group} loader batches' sequences.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return False
 
     def _restart_window(self) -> None:
         """Drop the failed window's gradients and counts, and redo it at the last microbatch that fit."""
         failed = self.session.micro_group
         self._oom_group = self._good_group
-        self._max_group = min(self._max_group, self._good_group)
         for p in self._all_params:
             p.grad = None
         self.collector.reset_window()
@@ -534,7 +530,7 @@ class LoopTracker:
             fit *= 2
         if self.session.dp_degree > 1:  # every rank must take the same layout: the smallest fit
             fit = cbs_dist.all_reduce_min(int(fit), self.dp_group, getattr(self._memory, "device", None))
-        self._max_group = fit if self._oom_group is None else min(fit, self._oom_group)
+        self._cap_group = fit
 
     def step(self) -> StepRecord:
         """Measure the step that just finished its backward passes; call before clipping.
@@ -706,8 +702,6 @@ class LoopTracker:
         if layout is not None and self.max_microbatch is not None:
             self._good_group = int(layout["good_group"])
             self._oom_group = None if layout["oom_group"] is None else int(layout["oom_group"])
-            if self._oom_group is not None:
-                self._max_group = min(self._max_group, self._oom_group)
 
     def remove_hooks(self) -> None:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
@@ -723,6 +717,11 @@ def microbatch_layout(level: int, max_group: int, dp_degree: int) -> int:
     while group * 2 <= max_group and level % (group * 2) == 0 and level // (group * 2) >= least:
         group *= 2
     return group
+
+
+def group_cap(max_microbatch: int, rows: int) -> int:
+    """Loader batches of ``rows`` rows that fit in a microbatch of ``max_microbatch`` rows (at least one)."""
+    return max(1, max_microbatch // max(rows, 1))
 
 
 def join_batches(parts: list[Any]) -> Any:
