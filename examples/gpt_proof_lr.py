@@ -15,7 +15,8 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
 * ``tracker_default`` and ``tracker_budget`` at a constant LR (the earlier proof's rows,
   rerun with the new defaults);
 * ``tracker_mbfirst`` (cosine): the default controller growing the microbatch first
-  (``max_microbatch``), for the wall-clock comparison;
+  (``max_microbatch``), for the wall-clock comparison; ``tracker_mbfirst_auto`` the same
+  measuring at ``measure_every="auto"`` (the tracker's own work kept near 1% of a step);
 * ``tracker_kappa04`` (cosine and WSD): the default controller at ``kappa=0.4``;
 * ``constant_512_fast`` (cosine): constant 512 at its fastest layout on one process, one
   512-token microbatch per step, without the tracker (no noise scale is measurable there).
@@ -36,6 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Generator, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
 
 SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
-             "tracker_mbfirst", "constant_fast", "tracker_kappa04")
+             "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04")
 #: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
 MBFIRST_MAX_SEQUENCES = 16
 BASELINE_TOKENS = 512
@@ -86,6 +88,7 @@ def plan(setting: base.Setting) -> list[Run]:
     for seed in setting.seeds:
         runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
     runs += [Run("tracker_mbfirst", seed, "cosine") for seed in setting.seeds]  # microbatch first, wall-clock
+    runs += [Run("tracker_mbfirst_auto", seed, "cosine") for seed in setting.seeds]  # ... measuring at "auto"
     runs += [Run("constant_fast", seed, "cosine") for seed in setting.seeds]  # constant 512, one microbatch
     # the default controller at kappa = 0.4 instead of 0.5 (a retuning experiment)
     runs += [Run("tracker_kappa04", seed, s) for seed in setting.seeds for s in ("cosine", "wsd")]
@@ -97,7 +100,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
 
     if run.schedule in ("constant", "constant_fast"):
         return None
-    if run.schedule in ("tracker_default", "tracker_mbfirst"):
+    if run.schedule in ("tracker_default", "tracker_mbfirst", "tracker_mbfirst_auto"):
         return BatchSizeController()
     if run.schedule == "tracker_convert":
         return BatchSizeController(convert_lr_decay=True)
@@ -111,7 +114,64 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     raise ValueError(f"unknown schedule {run.schedule!r}; expected one of {SCHEDULES}")
 
 
+class RunClock:
+    """The seconds a run spent on its own work: it counts only while the run's code runs, so
+    runs interleaved in one process (``--runs a+b``) each count their own steps."""
+
+    def __init__(self) -> None:
+        self.own, self.since = 0.0, time.perf_counter()
+
+    def pause(self) -> None:
+        self.own += time.perf_counter() - self.since
+
+    def resume(self) -> None:
+        self.since = time.perf_counter()
+
+    def restart(self) -> None:
+        self.own, self.since = 0.0, time.perf_counter()
+
+    def now(self) -> float:
+        return self.own + time.perf_counter() - self.since
+
+
 def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
+    """One run alone: trains, writes ``runs/<name>.json`` and returns its result."""
+    return train_interleaved([run], setting, out)[run.name]
+
+
+def train_interleaved(runs: list[Run], setting: base.Setting, out: Path) -> dict[str, dict[str, Any]]:
+    """Several runs in one process, one optimizer step at a time, always advancing the run that has
+    seen the fewest tokens, so the machine's noise hits them alike; each times only its own steps."""
+    steppers = {run.name: train_steps(run, setting, out, others=[r.name for r in runs if r != run]) for run in runs}
+    tokens = dict.fromkeys(steppers, 0.0)
+    results: dict[str, dict[str, Any]] = {}
+    while steppers:
+        name = min(steppers, key=lambda n: tokens[n])
+        try:
+            tokens[name] = next(steppers[name])
+        except StopIteration as stop:
+            results[name] = stop.value
+            del steppers[name]
+    return results
+
+
+def train_steps(run: Run, setting: base.Setting, out: Path, others: list[str]) -> Iterator[float]:
+    """A run as a generator: yields the tokens seen after each optimizer step, returns the result
+    (written to ``runs/<name>.json``). Its clock stops while it is suspended."""
+    clock = RunClock()
+    body = _train_body(run, setting, out, clock, others)
+    while True:
+        try:
+            tokens = next(body)
+        except StopIteration as stop:
+            return stop.value
+        clock.pause()
+        yield tokens
+        clock.resume()
+
+
+def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
+                others: list[str]) -> Generator[float, None, dict[str, Any]]:
     import torch
     from cbs_tracker.integrations.plain import CBSTracker
 
@@ -141,7 +201,8 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
     tracker = None if fast else CBSTracker(
         model, optimizer, accumulation_steps=start // micro_tokens, controller=make_controller(run, setting),
         lr_scheduler=scheduler, cap_lr_at_peak=run.cap,
-        max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule == "tracker_mbfirst" else None)
+        max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule.startswith("tracker_mbfirst") else None,
+        measure_every="auto" if run.schedule == "tracker_mbfirst_auto" else 1)
     evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
     trace: dict[str, list[Any]] = {"tokens": [], "global_batch": [], "noise_scale": [], "lr": [], "scheduled_lr": []}
 
@@ -150,21 +211,21 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
 
     def record_eval(step: int, tokens: float) -> None:
         nonlocal eval_s
-        t = time.time()
-        evals["train_s"].append(round(t - t0 - eval_s, 2))  # training time so far, evaluations left out
+        t = clock.now()
+        evals["train_s"].append(round(t - eval_s, 2))  # training time so far, evaluations left out
         evals["step"].append(step)
         evals["tokens"].append(tokens)
         evals["val_loss"].append(round(evaluate(model, corpus.val, seq_len=setting.seq_len,
                                                 num_sequences=setting.eval_sequences), 5))
-        eval_s += time.time() - t
+        eval_s += clock.now() - t
 
-    t0 = time.time()
+    clock.restart()
     record_eval(0, 0.0)
     tokens, step, next_eval, next_trace = 0.0, 0, setting.eval_every_tokens, 0.0
     record = None
     batches = iter(lambda: stream.next_batch(micro_seqs), None)  # an endless loader
     if fast:
-        fast_loop(model, optimizer, scheduler, batches, setting, micro_tokens, record_eval, evals)
+        yield from fast_loop(model, optimizer, scheduler, batches, setting, micro_tokens, record_eval, evals)
         tokens = evals["tokens"][-1]
         step = evals["step"][-1]
     windows = None if tracker is None else tracker.windows(batches)
@@ -182,6 +243,7 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step, tokens = record.step, record.tokens_seen
+        yield tokens
         if tokens >= next_trace:
             for key in ("global_batch", "noise_scale", "lr", "scheduled_lr"):
                 trace[key].append(getattr(record, key))
@@ -200,7 +262,8 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
         "final_val_loss": evals["val_loss"][-1], "steps": step, "tokens": tokens,
         "final_batch_tokens": micro_tokens if fast else None if record is None else record.global_batch,
         "lr_conversions": None if record is None else record.lr_conversions,
-        "train_time_s": round(time.time() - t0, 1), "train_only_s": round(time.time() - t0 - eval_s, 1),
+        "train_time_s": round(clock.now(), 1), "train_only_s": round(clock.now() - eval_s, 1),
+        "interleaved_with": others,
         "evals": evals, "trace": trace,
         "setting": setting.name, "setting_key": setting.key(), "library_commit": base._library_commit(),
     }
@@ -210,7 +273,7 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
 
 
 def fast_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any, setting: base.Setting, micro_tokens: int,
-              record_eval: Any, evals: dict[str, Any]) -> None:
+              record_eval: Any, evals: dict[str, Any]) -> Iterator[float]:
     """Constant batch, one microbatch per step, no tracker: the same clipping, schedule and evaluations."""
     import torch
 
@@ -224,6 +287,7 @@ def fast_loop(model: Any, optimizer: Any, scheduler: Any, batches: Any, setting:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step, tokens = step + 1, tokens + micro_tokens
+        yield tokens
         if tokens >= next_eval:
             record_eval(step, tokens)
             next_eval += setting.eval_every_tokens
@@ -238,32 +302,40 @@ def run_all(setting: base.Setting, out: Path, jobs: int, only: set[str] | None,
         r = json.loads(path.read_text())
         if r.get("setting_key") == setting.key():
             results[r["name"]] = r
-    todo = [r for r in plan(setting) if r.name not in results and (only is None or r.schedule in only)]
+    # each entry is one process: a run alone, or runs joined by "+" interleaved step by step
+    todo = [[r] for r in plan(setting) if r.name not in results and (only is None or r.schedule in only)]
     if names:
-        todo = [r for name in names for r in plan(setting) if r.name == name and name not in results]
-    running: dict[str, subprocess.Popen[bytes]] = {}
+        by_name = {r.name: r for r in plan(setting)}
+        unknown = [n for group in names for n in group.split("+") if n not in by_name]
+        if unknown:
+            raise SystemExit(f"--runs: unknown run names {unknown}; choose from {sorted(by_name)}")
+        todo = [[by_name[n] for n in group.split("+")] for group in names
+                if any(n not in results for n in group.split("+"))]
+    running: dict[str, tuple[list[Run], subprocess.Popen[bytes]]] = {}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     while todo or running:
         while todo and len(running) < jobs:
-            run = todo.pop(0)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(asdict(run)),
+            group = todo.pop(0)
+            label = "+".join(r.name for r in group)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([asdict(r) for r in group]),
                    "--setting", setting.name, "--out", str(out)]
             env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            log = open(out / "logs" / f"{run.name}.log", "wb")  # noqa: SIM115
-            running[run.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            print(f"[{time.strftime('%H:%M:%S')}] start {run.name}", flush=True)
+            log = open(out / "logs" / f"{label}.log", "wb")  # noqa: SIM115
+            running[label] = (group, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+            print(f"[{time.strftime('%H:%M:%S')}] start {label}", flush=True)
         time.sleep(0.5)
-        for name, proc in list(running.items()):
+        for label, (group, proc) in list(running.items()):
             if proc.poll() is None:
                 continue
-            del running[name]
-            path = out / "runs" / f"{name}.json"
-            if proc.returncode != 0 or not path.exists():
-                print(f"[{time.strftime('%H:%M:%S')}] FAILED {name}", flush=True)
-                continue
-            results[name] = json.loads(path.read_text())
-            print(f"[{time.strftime('%H:%M:%S')}] done  {name}: {results[name]['final_val_loss']:.4f}, "
-                  f"{results[name]['steps']} steps", flush=True)
+            del running[label]
+            for run in group:
+                path = out / "runs" / f"{run.name}.json"
+                if proc.returncode != 0 or not path.exists():
+                    print(f"[{time.strftime('%H:%M:%S')}] FAILED {run.name}", flush=True)
+                    continue
+                results[run.name] = json.loads(path.read_text())
+                print(f"[{time.strftime('%H:%M:%S')}] done  {run.name}: {results[run.name]['final_val_loss']:.4f}, "
+                      f"{results[run.name]['steps']} steps", flush=True)
     return results
 
 
@@ -304,6 +376,7 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     colors = {"constant": "black", "tracker_default": "tab:blue", "tracker_convert": "tab:red",
               "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green", "tracker_mbfirst": "tab:purple",
+              "tracker_mbfirst_auto": "tab:pink",
               "constant_fast": "gray", "tracker_kappa04": "tab:brown"}
     for col, lr_schedule in enumerate(("cosine", "wsd")):
         for r in results.values():
@@ -364,7 +437,8 @@ def wallclock(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"seed": seed}
         for key, schedule in (("constant", "constant"), ("constant_fast", "constant_fast"),
-                              ("accumulation_only", "tracker_default"), ("microbatch_first", "tracker_mbfirst")):
+                              ("accumulation_only", "tracker_default"), ("microbatch_first", "tracker_mbfirst"),
+                              ("microbatch_first_auto", "tracker_mbfirst_auto")):
             r = results.get(Run(schedule, seed, "cosine").name)
             if r is None or "train_only_s" not in r:
                 continue
@@ -377,7 +451,8 @@ def wallclock(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 WALLCLOCK_RUNS = (("constant", "constant 512 (2 × 256)"), ("constant_fast", "constant 512 (1 × 512)"),
-                  ("accumulation_only", "tracker, accumulation only"), ("microbatch_first", "tracker, microbatch first"))
+                  ("accumulation_only", "tracker, accumulation only"), ("microbatch_first", "tracker, microbatch first"),
+                  ("microbatch_first_auto", "tracker, microbatch first, measuring at auto"))
 
 
 def wallclock_table(rows: list[dict[str, Any]]) -> str:
@@ -403,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--only", default=None, help=f"comma-separated schedules ({', '.join(SCHEDULES)})")
-    p.add_argument("--runs", default=None, help="comma-separated run names to run now, in this order")
+    p.add_argument("--runs", default=None,
+                   help="comma-separated run names to run now, in this order; names joined by '+' run in one "
+                        "process, interleaved step by step, so the machine's noise hits them alike (wall-clock)")
     p.add_argument("--report-only", action="store_true", help="run nothing; rebuild the table, JSON and PNG")
     p.add_argument("--baselines", default=None,
                    help="take the constant_512 rows from this earlier results.json (a constant batch does not "
@@ -413,9 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.worker is not None:
-        run = Run(**json.loads(args.worker))
-        r = train(run, base.SETTINGS[args.setting], out)
-        print(f"{run.name}: {r['final_val_loss']:.4f} after {r['steps']} steps")
+        group = [Run(**spec) for spec in json.loads(args.worker)]
+        for name, r in train_interleaved(group, base.SETTINGS[args.setting], out).items():
+            print(f"{name}: {r['final_val_loss']:.4f} after {r['steps']} steps, {r['train_only_s']:.0f} s of training")
         return 0
     setting = base.QUICK if args.quick else base.FULL
     only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
