@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             state[(kind, m)]["times"].append(run(kind, m, args.steps))
     for kind, m in layouts:
         if kind == "tracker":
-            got = state[(kind, m)]["tracker"].microbatch_batches * args.loader_tokens
-            assert got == m, f"tracker ran {got}-token microbatches, asked for {m}"
+            tracker = state[(kind, m)]["tracker"]
+            got = (tracker.microbatch_batches * args.loader_tokens, tracker.accumulation_steps)
+            assert got == (m, args.global_tokens // m), f"the tracker ran {got} (tokens, accumulation), asked for {m}"
 
     base = {kind: statistics.median(state[(kind, args.micro_tokens[0])]["times"]) for kind in ("plain", "tracker")}
     rows = []

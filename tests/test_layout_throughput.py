@@ -1,0 +1,33 @@
+"""CI-sized run of ``benchmarks/layout_throughput.py``: the layouts it times are the ones it names.
+
+The benchmark's tracker rows must run the asked microbatch and accumulation (the
+benchmark checks it after timing); the plain rows split the same global batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_layout_benchmark_runs_the_layouts_it_reports(capsys):
+    spec = importlib.util.spec_from_file_location("cbs_layout_benchmark", ROOT / "benchmarks" / "layout_throughput.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        code = module.main(["--seq-len", "32", "--global-tokens", "256", "--loader-tokens", "32",
+                            "--micro-tokens", "32", "64", "128", "--rounds", "1", "--steps", "1", "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["micro_tokens"], r["accumulation"]) for r in result["rows"]] == [(32, 8), (64, 4), (128, 2)]
+    assert result["rows"][0]["plain_time_vs_smallest"] == 1.0
+    assert all(r["plain_tokens_per_s"] > 0 and r["tracker_tokens_per_s"] > 0 for r in result["rows"])

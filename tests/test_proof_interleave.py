@@ -1,0 +1,66 @@
+"""The wall-clock proof's interleaving (examples/gpt_proof_lr.py, ``--runs a+b``).
+
+Runs that share one process step by step must train exactly as they do alone (no state
+leaks between them: RNG, LR schedule, tracker), and each run's clock must count its own
+steps only, so the runs' clocks add up to the process's time instead of each reading all of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpt_proof_lr_interleave", ROOT / "examples" / "gpt_proof_lr.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "examples"))
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_interleaved_runs_train_as_they_do_alone_and_time_only_themselves(script, tmp_path):
+    threads = torch.get_num_threads()
+    setting = script.base.QUICK
+    runs = [script.Run("constant", 0, "cosine"), script.Run("tracker_mbfirst", 0, "cosine"),
+            script.Run("constant_fast", 0, "cosine")]
+    try:
+        start = time.perf_counter()
+        together = script.train_interleaved(runs, setting, tmp_path / "together")
+        elapsed = time.perf_counter() - start
+        alone = {run.name: script.train(run, setting, tmp_path / run.name) for run in runs}
+    finally:
+        torch.set_num_threads(threads)
+
+    for run in runs:
+        a, b = together[run.name], alone[run.name]
+        assert a["evals"]["val_loss"] == b["evals"]["val_loss"], run.name
+        assert a["evals"]["tokens"] == b["evals"]["tokens"], run.name
+        assert a["trace"] == b["trace"], run.name
+        assert a["steps"] == b["steps"] and a["tokens"] == b["tokens"], run.name
+        assert a["interleaved_with"] == [r.name for r in runs if r != run]
+        assert b["interleaved_with"] == []
+        # evaluation times are left out, and the per-evaluation clock only moves forward
+        assert a["evals"]["train_s"] == sorted(a["evals"]["train_s"])
+        assert 0 < a["train_only_s"] <= a["train_time_s"]
+    # the tracker run grew its microbatch (otherwise this checks nothing new)
+    assert max(together[runs[1].name]["trace"]["global_batch"]) > setting.tracker_start_tokens
+    # each clock counts only its own run: together they add up to the process's time (setup aside)
+    own = sum(r["train_time_s"] for r in together.values())
+    assert own <= elapsed + 0.3
+    assert own >= 0.6 * elapsed
