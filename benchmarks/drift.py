@@ -9,6 +9,12 @@ every step and rises ~150x over the run. Each row runs K = 2 microbatches of
 the first 5% of the run, the mean of ``|reported / truth - 1|`` and how often the 90%
 interval holds the current truth (means over seeds).
 
+Beside each row it prints a reference no online estimator can beat by choosing its
+memory alone: the error of trailing windows of the same per-step estimates, weighted as
+the estimator weighs them, whose length is chosen *with hindsight from the truth*,
+separately for the steps before 20%, to 50% and after 50% of the run. An online
+estimator can beat it only through a better per-step model (for example a trend).
+
     python benchmarks/drift.py [--seeds 4] [--steps 4000] [--memory window] [--json]
 """
 
@@ -74,6 +80,8 @@ class DriftRow:
         coverage: share of those steps whose 90% interval holds the current truth.
         missing: share of those steps with no reported value (counted as error 1, not covered).
         seeds: seeds run.
+        hindsight_error: the same error for trailing windows whose lengths were chosen
+            with hindsight from the truth (see :func:`hindsight_error`).
     """
 
     start_over_truth: float
@@ -81,6 +89,51 @@ class DriftRow:
     coverage: float
     missing: float
     seeds: int
+    hindsight_error: float
+
+
+#: trailing-window lengths (steps) the hindsight reference chooses from
+HINDSIGHT_LENGTHS = (25, 50, 75, 100, 150, 200, 300, 400, 600, 800, 1000, 1200, 1600, 2000)
+#: the parts of the run (shares of its steps, after the first 5%) that each get their own length
+HINDSIGHT_PARTS = (0.2, 0.5)
+
+
+def trailing_errors(small: np.ndarray, big: np.ndarray, b: float, k: int, truth: np.ndarray,
+                    length: int, *, scale_steps: float = 8.0) -> np.ndarray:
+    """``|estimate / truth - 1|`` at every step of the ratio of the weighted means over the last ``length`` steps.
+
+    Per-step ``|G|^2`` and ``tr(Sigma)`` from the two norms, each step weighted by 1 over an
+    exponential average (``scale_steps``) of the small-batch norm, as the estimator weighs them.
+    """
+    big_batch = b * k
+    g = (big_batch * big - b * small) / (big_batch - b)
+    t = (small - big) / (1 / b - 1 / big_batch)
+    weight = np.empty(len(small))
+    scale, keep = float(small[0]), math.exp(-1.0 / scale_steps)
+    for i, s in enumerate(small):
+        weight[i] = 1.0 / scale
+        scale = keep * scale + (1.0 - keep) * float(s)
+    cg = np.concatenate(([0.0], np.cumsum(weight * g)))
+    ct = np.concatenate(([0.0], np.cumsum(weight * t)))
+    end = np.arange(1, len(small) + 1)
+    begin = np.maximum(0, end - length)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        estimate = (ct[end] - ct[begin]) / (cg[end] - cg[begin])
+    return np.where(np.isfinite(estimate), np.abs(estimate / truth - 1), 1.0)
+
+
+def hindsight_error(errors_by_length: dict[int, np.ndarray], first: int) -> float:
+    """The mean error after ``first`` when each part of the run takes its best trailing length.
+
+    ``errors_by_length[n]``: ``(seeds, steps)`` errors of :func:`trailing_errors`.
+    """
+    steps = next(iter(errors_by_length.values())).shape[1]
+    cuts = [first, *(first + int(f * (steps - first)) for f in HINDSIGHT_PARTS), steps]
+    total = 0.0
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        total += min(float(e[:, lo:hi].sum()) for e in errors_by_length.values())
+    seeds = next(iter(errors_by_length.values())).shape[0]
+    return total / (seeds * (steps - first))
 
 
 def run_row(start: float, *, seeds: int, steps: int, k: int = 2, **estimator_kwargs: object) -> DriftRow:
@@ -89,8 +142,11 @@ def run_row(start: float, *, seeds: int, steps: int, k: int = 2, **estimator_kwa
     grad_sq, sigma_sq, truth = drifting_truth(steps, b * k)
     first = int(0.05 * steps)
     errors, covered, missing = [], [], []
+    trailing: dict[int, list[np.ndarray]] = {n: [] for n in HINDSIGHT_LENGTHS}
     for seed in range(seeds):
         small, big = drifting_norms(np.random.default_rng([seed, 20]), b, k, grad_sq, sigma_sq)
+        for n in HINDSIGHT_LENGTHS:
+            trailing[n].append(trailing_errors(small, big, b, k, truth, n))
         est = NoiseScaleEstimator(**estimator_kwargs)  # type: ignore[arg-type]
         for i in range(steps):
             r = est.update(float(small[i]), float(big[i]), b, b * k)
@@ -102,7 +158,8 @@ def run_row(start: float, *, seeds: int, steps: int, k: int = 2, **estimator_kwa
             errors.append(abs(r.noise_scale / truth[i] - 1))
             covered.append(r.noise_scale_low <= truth[i] <= r.noise_scale_high)  # type: ignore[operator]
             missing.append(False)
-    return DriftRow(start, float(np.mean(errors)), float(np.mean(covered)), float(np.mean(missing)), seeds)
+    hindsight = hindsight_error({n: np.stack(e) for n, e in trailing.items()}, first)
+    return DriftRow(start, float(np.mean(errors)), float(np.mean(covered)), float(np.mean(missing)), seeds, hindsight)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_row(s, seeds=args.seeds, steps=args.steps, memory=args.memory) for s in STARTS]
     print(f"B_simple rises ~150x to {B_END:,.0f}; K = 2; {args.steps} steps; after the first 5%; "
           f"{args.seeds} seeds; memory={args.memory}")
-    print(f"{'start/B_end':>11} {'mean |rep/truth-1|':>19} {'90% coverage':>13}")
+    print(f"{'start/B_end':>11} {'mean |rep/truth-1|':>19} {'90% coverage':>13} {'hindsight windows':>18}")
     for r in rows:
-        print(f"{'1/' + format(1 / r.start_over_truth, 'g'):>11} {r.mean_abs_error:>19.3f} {r.coverage:>13.2f}")
+        print(f"{'1/' + format(1 / r.start_over_truth, 'g'):>11} {r.mean_abs_error:>19.3f} {r.coverage:>13.2f} "
+              f"{r.hindsight_error:>18.3f}")
     print(f"({time.perf_counter() - t0:.0f}s)")
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))

@@ -45,3 +45,28 @@ def test_default_estimator_covers_the_drift_with_the_smallest_microbatches():
     row = bench.run_row(1 / 32, seeds=4, steps=4000)
     assert row.coverage >= 0.80, row
     assert row.mean_abs_error <= 0.15, row
+    # trailing windows of the same per-step estimates, their lengths chosen with hindsight
+    # from the truth, do not reach the 10% either (10.4% in the benchmark's table)
+    assert 0.10 < row.hindsight_error < row.mean_abs_error, row
+
+
+def test_trailing_windows_are_the_weighted_ratio_of_the_last_steps():
+    # the hindsight reference against a plain loop over the steps it averages
+    rng = np.random.default_rng(3)
+    grad_sq, sigma_sq, truth = bench.drifting_truth(300, 128.0)
+    small, big = bench.drifting_norms(rng, 64.0, 2, grad_sq, sigma_sq)
+    errors = bench.trailing_errors(small, big, 64.0, 2, truth, 40)
+    weights, scale = [], small[0]
+    for s in small:
+        weights.append(1 / scale)
+        scale = np.exp(-1 / 8) * scale + (1 - np.exp(-1 / 8)) * s
+    for i in (0, 5, 39, 40, 41, 150, 299):
+        lo = max(0, i - 39)
+        g = sum(w * (128 * bg - 64 * sm) / 64 for w, sm, bg in zip(weights[lo:i + 1], small[lo:i + 1], big[lo:i + 1]))
+        t = sum(w * (sm - bg) / (1 / 64 - 1 / 128) for w, sm, bg in zip(weights[lo:i + 1], small[lo:i + 1], big[lo:i + 1]))
+        assert errors[i] == pytest.approx(abs(t / g / truth[i] - 1), rel=1e-9)
+    # each part of the run takes its own best length
+    # (parts of 10 steps: 0-1, 2-4, 5-9); one length wins each part, none wins them all
+    e = {1: np.array([[0.1, 0.1, 0.9, 0.9, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2]]),
+         2: np.array([[0.5, 0.5, 0.3, 0.3, 0.3, 0.4, 0.4, 0.4, 0.4, 0.4]])}
+    assert bench.hindsight_error(e, 0) == pytest.approx((2 * 0.1 + 3 * 0.3 + 5 * 0.2) / 10)
