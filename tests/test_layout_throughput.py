@@ -6,20 +6,15 @@ benchmark checks it after timing); the plain rows split the same global batch.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.scripts import load_script
 
 
 def test_layout_benchmark_runs_the_layouts_it_reports(capsys):
-    spec = importlib.util.spec_from_file_location("cbs_layout_benchmark", ROOT / "benchmarks" / "layout_throughput.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/layout_throughput.py", "cbs_layout_benchmark")
     threads = torch.get_num_threads()
     try:
         code = module.main(["--seq-len", "32", "--global-tokens", "256", "--loader-tokens", "32",

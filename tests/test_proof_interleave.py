@@ -7,31 +7,18 @@ steps only, so the runs' clocks add up to the process's time instead of each rea
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpt_proof_lr_interleave", ROOT / "examples" / "gpt_proof_lr.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "examples"))
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    yield module
-    del sys.modules[spec.name]
+    return load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_interleave")
 
 
 def test_interleaved_runs_train_as_they_do_alone_and_time_only_themselves(script, tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
 from tests.test_claims import _rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,20 +43,7 @@ def test_readme_proof_table_is_what_the_script_wrote(header, results):
 def test_microbatch_first_wallclock_table_is_what_the_script_wrote():
     """docs/results.md's wall-clock table against docs/proof_mbfirst_wallclock.json, through the script's own
     formatter; the README's row quotes the microbatch-first time ratios and loss gaps of both seeds."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpt_proof_lr_claims", ROOT / "examples" / "gpt_proof_lr.py")
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    sys.modules[spec.name] = script  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(script)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-        del sys.modules[spec.name]
+    script = load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_claims")
     rows = json.loads((ROOT / "docs" / "proof_mbfirst_wallclock.json").read_text())
     header = "| seed | run | final val loss | vs constant 512 | optimizer steps | training seconds |"
     assert _readme_rows(header) == [
