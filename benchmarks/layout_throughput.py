@@ -22,6 +22,7 @@ import torch
 
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.core.loop import microbatch_layout
 from cbs_tracker.integrations.plain import CBSTracker
 from cbs_tracker.policy.controller import BatchSizeController
 
@@ -51,10 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("global_tokens", "loader_tokens"):
         if getattr(args, name) % args.seq_len:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be a multiple of --seq-len={args.seq_len}")
+    level = args.global_tokens // args.loader_tokens
     for m in args.micro_tokens:
-        if m % args.loader_tokens or args.global_tokens % m or args.global_tokens // m < 2:
-            parser.error(f"--micro-tokens {m}: must be a multiple of --loader-tokens={args.loader_tokens} that "
-                         f"divides --global-tokens={args.global_tokens} at least twice (the tracker keeps K >= 2)")
+        group = m // args.loader_tokens
+        if m % args.loader_tokens or microbatch_layout(level, group, 1) != group:
+            parser.error(f"--micro-tokens {m}: the tracker cannot run it; it must be a power-of-two multiple of "
+                         f"--loader-tokens={args.loader_tokens} that divides --global-tokens={args.global_tokens} "
+                         f"at least twice (the tracker keeps K >= 2 on one process)")
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus(max_bytes=4_000_000)
@@ -104,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         order = layouts if r % 2 == 0 else layouts[::-1]
         for kind, m in order:
             state[(kind, m)]["times"].append(run(kind, m, args.steps))
+    ran: dict[int, tuple[int, int]] = {}  # what the tracker really ran: (microbatch tokens, accumulation)
     for kind, m in layouts:
         if kind == "tracker":
             tracker = state[(kind, m)]["tracker"]
-            got = (tracker.microbatch_batches * args.loader_tokens, tracker.accumulation_steps)
-            assert got == (m, args.global_tokens // m), f"the tracker ran {got} (tokens, accumulation), asked for {m}"
+            ran[m] = (tracker.microbatch_batches * args.loader_tokens, tracker.accumulation_steps)
+            if ran[m] != (m, args.global_tokens // m):
+                raise RuntimeError(f"the tracker ran {ran[m]} (microbatch tokens, accumulation), asked for {m}")
 
     base = {kind: statistics.median(state[(kind, args.micro_tokens[0])]["times"]) for kind in ("plain", "tracker")}
     rows = []
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         tracked = statistics.median(state[("tracker", m)]["times"])
         row = {
             "micro_tokens": m, "accumulation": args.global_tokens // m,
+            "tracker_micro_tokens": ran[m][0], "tracker_accumulation": ran[m][1],
             "plain_tokens_per_s": args.global_tokens / plain, "tracker_tokens_per_s": args.global_tokens / tracked,
             "plain_time_vs_smallest": plain / base["plain"], "tracker_time_vs_smallest": tracked / base["tracker"],
             "tracker_over_plain": tracked / plain,

@@ -141,7 +141,17 @@ def train(run: Run, setting: base.Setting, out: Path) -> dict[str, Any]:
 
 def train_interleaved(runs: list[Run], setting: base.Setting, out: Path) -> dict[str, dict[str, Any]]:
     """Several runs in one process, one optimizer step at a time, always advancing the run that has
-    seen the fewest tokens, so the machine's noise hits them alike; each times only its own steps."""
+    seen the fewest tokens, so the machine's noise hits them alike; each times only its own steps.
+
+    Each run keeps its own data stream and random-number state, so it trains exactly as it does
+    alone, except a ``measure_every="auto"`` run, whose measuring rate follows its own timings.
+    Switching runs at every step leaves each step's caches cold; that costs a run with many small
+    steps more than one with few large ones (measured in ``docs/results.md``). CPU runs only: the
+    clock does not synchronise an accelerator.
+    """
+    names = [run.name for run in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"train_interleaved: runs={names} names a run twice")
     steppers = {run.name: train_steps(run, setting, out, others=[r.name for r in runs if r != run]) for run in runs}
     tokens = dict.fromkeys(steppers, 0.0)
     results: dict[str, dict[str, Any]] = {}
@@ -158,13 +168,19 @@ def train_interleaved(runs: list[Run], setting: base.Setting, out: Path) -> dict
 def train_steps(run: Run, setting: base.Setting, out: Path, others: list[str]) -> Iterator[float]:
     """A run as a generator: yields the tokens seen after each optimizer step, returns the result
     (written to ``runs/<name>.json``). Its clock stops while it is suspended."""
+    import torch
+
     clock = RunClock()
     body = _train_body(run, setting, out, clock, others)
+    rng = None  # this run's random-number state while another run steps
     while True:
+        if rng is not None:
+            torch.set_rng_state(rng)
         try:
             tokens = next(body)
         except StopIteration as stop:
             return stop.value
+        rng = torch.get_rng_state()
         clock.pause()
         yield tokens
         clock.resume()
@@ -309,6 +325,10 @@ def run_all(setting: base.Setting, out: Path, jobs: int, only: set[str] | None,
         unknown = [n for group in names for n in group.split("+") if n not in by_name]
         if unknown:
             raise SystemExit(f"--runs: unknown run names {unknown}; choose from {sorted(by_name)}")
+        named = [n for group in names for n in group.split("+")]
+        twice = sorted({n for n in named if named.count(n) > 1})
+        if twice:
+            raise SystemExit(f"--runs: {twice} named more than once")
         todo = [[by_name[n] for n in group.split("+")] for group in names
                 if any(n not in results for n in group.split("+"))]
     running: dict[str, tuple[list[Run], subprocess.Popen[bytes]]] = {}

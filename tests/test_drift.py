@@ -45,8 +45,8 @@ def test_default_estimator_covers_the_drift_with_the_smallest_microbatches():
     row = bench.run_row(1 / 32, seeds=4, steps=4000)
     assert row.coverage >= 0.80, row
     assert row.mean_abs_error <= 0.15, row
-    # trailing windows of the same per-step estimates, their lengths chosen with hindsight
-    # from the truth, do not reach the 10% either (10.4% in the benchmark's table)
+    # trailing windows of the same per-step estimates, their lengths picked with hindsight
+    # from the truth, do not reach the 10% either (10.3% in the results table)
     assert 0.10 < row.hindsight_error < row.mean_abs_error, row
 
 

@@ -21,7 +21,16 @@ def script() -> ModuleType:
     return load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_interleave")
 
 
-def test_interleaved_runs_train_as_they_do_alone_and_time_only_themselves(script, tmp_path):
+def test_interleaved_runs_train_as_they_do_alone_and_time_only_themselves(script, tmp_path, monkeypatch):
+    import cbs_tracker.demo.corpus as corpus
+
+    evaluate = corpus.evaluate
+
+    def slow_evaluate(*args, **kwargs):  # each evaluation takes at least 50 ms, to be left out of training time
+        time.sleep(0.05)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(corpus, "evaluate", slow_evaluate)
     threads = torch.get_num_threads()
     setting = script.base.QUICK
     runs = [script.Run("constant", 0, "cosine"), script.Run("tracker_mbfirst", 0, "cosine"),
@@ -44,10 +53,12 @@ def test_interleaved_runs_train_as_they_do_alone_and_time_only_themselves(script
         assert b["interleaved_with"] == []
         # evaluation times are left out, and the per-evaluation clock only moves forward
         assert a["evals"]["train_s"] == sorted(a["evals"]["train_s"])
-        assert 0 < a["train_only_s"] <= a["train_time_s"]
+        assert a["train_time_s"] - a["train_only_s"] >= 0.05 * len(a["evals"]["val_loss"]) - 0.1
+        assert a["evals"]["train_s"][-1] == pytest.approx(a["train_only_s"], abs=0.15)
     # the tracker run grew its microbatch (otherwise this checks nothing new)
     assert max(together[runs[1].name]["trace"]["global_batch"]) > setting.tracker_start_tokens
-    # each clock counts only its own run: together they add up to the process's time (setup aside)
+    # each clock counts only its own run: together they add up to the process's time (setups
+    # aside, which no clock counts); a clock that kept running would count about 3x
     own = sum(r["train_time_s"] for r in together.values())
     assert own <= elapsed + 0.3
-    assert own >= 0.6 * elapsed
+    assert own >= 0.4 * elapsed
