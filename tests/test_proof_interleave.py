@@ -62,3 +62,18 @@ def test_interleaved_runs_train_as_they_do_alone_and_time_only_themselves(script
     own = sum(r["train_time_s"] for r in together.values())
     assert own <= elapsed + 0.3
     assert own >= 0.4 * elapsed
+
+
+def test_interleave_cost_benchmark_times_only_the_timed_run(capsys):
+    # with two other runs stepping between its steps, a clock that counted them would read about 3x
+    import json
+
+    bench = load_script("benchmarks/interleave_cost.py", "cbs_interleave_cost")
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--others", "2", "--rounds", "2", "--steps", "4", "--seq-len", "32", "--json"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["alone_step_s"] > 0
+    assert result["ratio_median"] < 1.8, result
