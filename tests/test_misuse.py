@@ -486,3 +486,23 @@ def test_growing_the_microbatch_is_refused_where_it_cannot_be_exact_with_the_rea
         CBSTrainer(max_microbatch="auto")
     with pytest.raises(ValueError, match=r"CBSCallback\(max_microbatch='auto'\): must be None or an integer >= 1"):
         CBSCallback(max_microbatch="auto")
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kwargs", "warns"),
+    [("adamw", {}, True), ("sgd", {}, True), ("adamw", {"cap_lr_at_peak": True}, False),
+     ("adamw", {"lr_coupling": "keep"}, False)],
+)
+def test_a_budget_whose_plan_would_raise_the_lr_with_the_batch_is_warned(optimizer, kwargs, warns):
+    # The budget's plan grows the batch whatever the noise scale says; with a coupling that raises
+    # the LR at each doubling, a small GPT at a constant LR reached 16x its peak LR and diverged.
+    model = nn.Linear(4, 1)
+    opt = (torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD)(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        CBSTracker(model, opt, accumulation_steps=2, controller=BatchSizeController(budget_tokens=1e6), **kwargs)
+        CBSTracker(model, opt, accumulation_steps=2, controller=BatchSizeController(), **kwargs)  # no budget
+    budget = [w for w in seen if "budget_tokens" in str(w.message)]
+    assert len(budget) == (1 if warns else 0), [str(w.message) for w in seen]
+    if warns:
+        assert "cap_lr_at_peak=True" in str(budget[0].message)

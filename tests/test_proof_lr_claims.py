@@ -21,7 +21,8 @@ def _readme_rows(header: str = "| run | LR schedule | seed | final val loss |") 
     ("header", "results"),
     [("| run | LR schedule | seed | final val loss |", "proof_lr_results.json"),
      ("| run (window estimator) | LR schedule | seed | final val loss |", "proof_lr_window_results.json"),
-     ("| run (κ = 0.4) | LR schedule | seed | final val loss |", "proof_kappa04_results.json")],
+     ("| run (κ = 0.4) | LR schedule | seed | final val loss |", "proof_kappa04_results.json"),
+     ("| run (constant LR, window estimator) | LR schedule | seed | final val loss |", "proof_constlr_results.json")],
 )
 def test_readme_proof_table_is_what_the_script_wrote(header, results):
     runs = {(r["name"].rsplit("_seed", 1)[0], r["seed"]): r for r in json.loads(

@@ -174,6 +174,16 @@ class TrackingSession:
         self.changed_this_step = False
         self._warned: set[str] = set()
         self._sanity = [0, 0.0, 0.0, 0.0]  # measured steps, sum small, sum big, sum K
+        budget = getattr(controller, "budget_tokens", None)
+        if budget is not None and self.coupling_mode in ("sqrt", "linear") and not cap_lr_at_peak:
+            self.warn_once(
+                "budget_coupling",
+                f"{owner}: the controller's budget_tokens={budget:g} with lr_coupling={self.coupling_mode!r} and "
+                "cap_lr_at_peak=False: the budget's plan grows the batch whatever the measured noise scale says "
+                "(up to max_batch), and the coupling raises the learning rate with every doubling. On a small GPT "
+                "at a constant LR this reached 131k-token batches at 16x the peak LR and ended 0.11-0.46 nats above "
+                "the default controller. With a budget, pass cap_lr_at_peak=True (or lr_coupling='keep').",
+            )
 
     # ------------------------------------------------------------------ warnings
     def warn_once(self, key: str, message: str) -> None:
