@@ -13,7 +13,7 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
 * ``tracker_default_cap`` (first seed, cosine): the coupling capped at the peak LR;
 * ``tracker_convert_kappa1`` (first seed): the conversion allowed up to ``B_simple`` itself;
 * ``tracker_default`` and ``tracker_budget`` at a constant LR (the earlier proof's rows,
-  rerun with the new defaults);
+  rerun with the new defaults); ``tracker_budget_cap`` the budget with ``cap_lr_at_peak=True``;
 * ``tracker_mbfirst`` (cosine): the default controller growing the microbatch first
   (``max_microbatch``), for the wall-clock comparison; ``tracker_mbfirst_auto`` the same
   measuring at ``measure_every="auto"`` (the tracker's own work kept near 1% of a step);
@@ -87,6 +87,8 @@ def plan(setting: base.Setting) -> list[Run]:
             runs += [Run("tracker_convert_kappa1", seed, s) for s in ("cosine", "wsd")]
     for seed in setting.seeds:
         runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
+    # the budget's plan with the coupled LR capped at its peak (what the tracker advises with a budget)
+    runs += [Run("tracker_budget", seed, "constant", cap=True) for seed in setting.seeds]
     runs += [Run("tracker_mbfirst", seed, "cosine") for seed in setting.seeds]  # microbatch first, wall-clock
     runs += [Run("tracker_mbfirst_auto", seed, "cosine") for seed in setting.seeds]  # ... measuring at "auto"
     runs += [Run("constant_fast", seed, "cosine") for seed in setting.seeds]  # constant 512, one microbatch
