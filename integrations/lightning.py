@@ -78,7 +78,8 @@ class CBSCallback(Callback):
         name: distinguishes the checkpoint state of several instances (``state_key``).
         lr_coupling: ``"auto"`` (default: LR x sqrt(B/B0) for Adam-family optimizers, x B/B0
             for SGD), ``"keep"``, ``"sqrt"`` or ``"linear"``.
-        cap_lr_at_peak: never let the coupling raise the LR above the schedule's peak.
+        cap_lr_at_peak: never let the coupling raise the LR above the schedule's peak
+            (default ``None``: ``True`` when the controller has a ``budget_tokens``).
         retime_schedulers: keep every LR scheduler of the Trainer on its timing in units
             seen (default ``True``): an ``interval="step"`` scheduler sized in optimizer steps
             at the starting accumulation (e.g. from ``estimated_stepping_batches``) advances
@@ -116,7 +117,7 @@ class CBSCallback(Callback):
         prog_bar: bool = True,
         name: str | None = None,
         lr_coupling: str | None = "auto",
-        cap_lr_at_peak: bool = False,
+        cap_lr_at_peak: bool | None = None,
         retime_schedulers: bool = True,
         max_tokens: float | None = None,
         measure_every: int | str = 1,
@@ -190,9 +191,10 @@ class CBSCallback(Callback):
             raise TypeError(f"CBSCallback(name={name!r}): expected a str or None")
         if lr_coupling is not None and lr_coupling not in COUPLINGS:
             raise ValueError(f"CBSCallback(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
-        for flag, value in (("cap_lr_at_peak", cap_lr_at_peak), ("retime_schedulers", retime_schedulers)):
-            if not isinstance(value, bool):
-                raise TypeError(f"CBSCallback({flag}={value!r}): expected True or False")
+        if cap_lr_at_peak is not None and not isinstance(cap_lr_at_peak, bool):
+            raise TypeError(f"CBSCallback(cap_lr_at_peak={cap_lr_at_peak!r}): expected True, False or None")
+        if not isinstance(retime_schedulers, bool):
+            raise TypeError(f"CBSCallback(retime_schedulers={retime_schedulers!r}): expected True or False")
         if max_tokens is not None and (
             isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)) or not max_tokens > 0
             or not math.isfinite(max_tokens)
@@ -444,7 +446,7 @@ class CBSCallback(Callback):
                 session.attach_scheduler(config.scheduler)
             elif config.interval == "epoch":
                 timer = ScheduleTimer(config.scheduler, session.optimizer, owner="CBSCallback",
-                                      cap_at_peak=self.cap_lr_at_peak)
+                                      cap_at_peak=session.cap_lr_at_peak)
                 timer.coupling = session.coupling
                 self._epoch_timers.append(timer)
 

@@ -61,7 +61,8 @@ class CBSTrainer(Trainer):
         preconditioner: ``None`` or ``"adam"``: measure ``g / (sqrt(v_hat) + eps)``.
         lr_coupling: ``"auto"`` (LR x sqrt(B/B0) for Adam-family optimizers, x B/B0 for SGD),
             ``"keep"``, ``"sqrt"`` or ``"linear"``.
-        cap_lr_at_peak: never let the coupling raise the LR above the schedule's peak.
+        cap_lr_at_peak: never let the coupling raise the LR above the schedule's peak
+            (default ``None``: ``True`` when the controller has a ``budget_tokens``).
         measure_every: measure one window in ``n`` (default 1), or ``"auto"``: the smallest
             ``n`` keeping the measurement at or below ``measure_target`` of the step time.
             Windows not measured still count for the units, the counters and the schedule.
@@ -93,7 +94,7 @@ class CBSTrainer(Trainer):
         estimator: NoiseScaleEstimator | None = None,
         preconditioner: Literal["adam"] | None = None,
         lr_coupling: str | None = "auto",
-        cap_lr_at_peak: bool = False,
+        cap_lr_at_peak: bool | None = None,
         measure_every: int | str = 1,
         measure_target: float = 0.01,
         max_microbatch: None = None,
@@ -132,8 +133,8 @@ class CBSTrainer(Trainer):
             raise ValueError(f"CBSTrainer(preconditioner={preconditioner!r}): must be None or 'adam'")
         if lr_coupling is not None and lr_coupling not in COUPLINGS:
             raise ValueError(f"CBSTrainer(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
-        if not isinstance(cap_lr_at_peak, bool):
-            raise TypeError(f"CBSTrainer(cap_lr_at_peak={cap_lr_at_peak!r}): expected True or False")
+        if cap_lr_at_peak is not None and not isinstance(cap_lr_at_peak, bool):
+            raise TypeError(f"CBSTrainer(cap_lr_at_peak={cap_lr_at_peak!r}): expected True, False or None")
         check_measure_every(measure_every, measure_target, owner="CBSTrainer")
         super().__init__(*args, **kwargs)
         self.controller = controller

@@ -490,8 +490,9 @@ def test_growing_the_microbatch_is_refused_where_it_cannot_be_exact_with_the_rea
 
 @pytest.mark.parametrize(
     ("optimizer", "kwargs", "warns"),
-    [("adamw", {}, True), ("sgd", {}, True), ("adamw", {"cap_lr_at_peak": True}, False),
-     ("adamw", {"lr_coupling": "keep"}, False)],
+    [("adamw", {"cap_lr_at_peak": False}, True), ("sgd", {"cap_lr_at_peak": False}, True),
+     ("adamw", {}, False), ("sgd", {}, False),  # the default caps with a budget
+     ("adamw", {"cap_lr_at_peak": True}, False), ("adamw", {"lr_coupling": "keep"}, False)],
 )
 def test_a_budget_whose_plan_would_raise_the_lr_with_the_batch_is_warned(optimizer, kwargs, warns):
     # The budget's plan grows the batch whatever the noise scale says; with a coupling that raises
@@ -505,4 +506,4 @@ def test_a_budget_whose_plan_would_raise_the_lr_with_the_batch_is_warned(optimiz
     budget = [w for w in seen if "budget_tokens" in str(w.message)]
     assert len(budget) == (1 if warns else 0), [str(w.message) for w in seen]
     if warns:
-        assert "cap_lr_at_peak=True" in str(budget[0].message)
+        assert "cap_lr_at_peak=False" in str(budget[0].message) and "lr_coupling='keep'" in str(budget[0].message)

@@ -179,6 +179,51 @@ def test_cap_at_peak_keeps_the_coupled_lr_at_or_below_the_peak():
     assert any(const[p] * math.sqrt(a / A0) > 0.1 for p, a, _ in lrs)  # the cap was reached
 
 
+@pytest.mark.parametrize(("cap", "capped"), [(None, True), (False, False), (True, True)])
+def test_a_budget_caps_the_coupled_lr_at_its_peak_unless_told_not_to(cap, capped):
+    # The budget's plan grows the batch whatever the noise scale says; by default (cap_lr_at_peak
+    # left unset) the coupling must then never raise the LR above where it started (a constant LR:
+    # the peak). Truth: the starting LR, and sqrt(A / A0) times it where the cap is switched off.
+    from cbs_tracker import BatchSizeController
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ctrl = BatchSizeController(budget_tokens=6_000, max_accumulation_steps=16)
+    kwargs = {} if cap is None else {"cap_lr_at_peak": cap}
+    with pytest.warns(UserWarning, match="budget_tokens") if cap is False else _no_warning():
+        tracker = CBSTracker(model, opt, accumulation_steps=A0, unit="tokens", controller=ctrl, **kwargs)
+    g = torch.Generator().manual_seed(0)
+    seen = []
+    while tracker.session.units_seen < 6_000:
+        acc = tracker.accumulation_steps
+        for _ in range(acc):
+            with tracker.microbatch(size=24):
+                (model(torch.randn(3, 4, generator=g)).pow(2).mean() / acc).backward()
+        tracker.step()
+        seen.append((acc, opt.param_groups[0]["lr"]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert max(a for a, _ in seen) >= 4 * A0  # the plan grew the batch
+    for acc, lr in seen:
+        expected = 0.1 if capped else 0.1 * math.sqrt(acc / A0)
+        assert lr == pytest.approx(expected, rel=1e-9), (acc, lr)
+
+
+class _no_warning:
+    """Fails if a UserWarning is raised inside the block."""
+
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", UserWarning)
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        return False
+
+
 def test_token_schedule_shapes():
     cos = token_schedule(1.0, 100.0, warmup=10.0, decay="cosine", final_ratio=0.1)
     assert cos(0) == 0.0 and cos(5) == pytest.approx(0.5) and cos(10) == pytest.approx(1.0)

@@ -75,7 +75,9 @@ class LoopTracker:
         lr_coupling: ``"auto"`` (default: LR x sqrt(B/B0) for Adam-family optimizers,
             x B/B0 for SGD), ``"keep"``, ``"sqrt"`` or ``"linear"``.
         cap_lr_at_peak: never let the coupling raise the learning rate above the
-            schedule's peak (default ``False``).
+            schedule's peak. Default ``None``: ``True`` when the controller has a
+            ``budget_tokens`` (its plan grows the batch whatever the measured noise scale
+            says), else ``False``.
         measure_every: measure one window in ``n`` (default 1: every window); the others
             run with hooks that return at once and no norm pass, and still count for the
             units, the counters and the LR schedule. ``"auto"``: the smallest ``n`` that
@@ -128,7 +130,7 @@ class LoopTracker:
         logger: Any | None = None,
         lr_scheduler: Any | None = None,
         lr_coupling: str | None = "auto",
-        cap_lr_at_peak: bool = False,
+        cap_lr_at_peak: bool | None = None,
         measure_every: int | str = 1,
         measure_target: float = 0.01,
         max_microbatch: int | None = None,

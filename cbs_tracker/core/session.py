@@ -73,7 +73,9 @@ class TrackingSession:
             for SGD), ``"keep"``, ``"sqrt"`` or ``"linear"``; a controller built with an
             explicit ``lr_scaling`` overrides ``"auto"``.
         cap_lr_at_peak: never let the coupling raise the learning rate above the
-            schedule's peak (the param group's ``initial_lr``/``max_lr``).
+            schedule's peak (the param group's ``initial_lr``/``max_lr``). ``None``
+            (default): ``True`` when the controller has a ``budget_tokens`` (its plan grows
+            the batch whatever the measured noise scale says), else ``False``.
         logger: anything with ``log(record)``.
         warn: ``fn(message)`` for user warnings (rank-zero aware in Lightning).
         measure_every: measure one window in ``n`` (default 1: every window), or
@@ -96,7 +98,7 @@ class TrackingSession:
         controller: Any | None = None,
         optimizer: Any | None = None,
         lr_coupling: str | None = "auto",
-        cap_lr_at_peak: bool = False,
+        cap_lr_at_peak: bool | None = None,
         logger: Any | None = None,
         warn: Any | None = None,
         measure_every: int | str = 1,
@@ -132,8 +134,11 @@ class TrackingSession:
             )
         if logger is not None and not callable(getattr(logger, "log", None)):
             raise TypeError(f"{owner}(logger={type(logger).__name__}): expected an object with log(record)")
-        if not isinstance(cap_lr_at_peak, bool):
-            raise TypeError(f"{owner}(cap_lr_at_peak={cap_lr_at_peak!r}): expected True or False")
+        if cap_lr_at_peak is not None and not isinstance(cap_lr_at_peak, bool):
+            raise TypeError(f"{owner}(cap_lr_at_peak={cap_lr_at_peak!r}): expected True, False or None")
+        budget = getattr(controller, "budget_tokens", None)
+        if cap_lr_at_peak is None:
+            cap_lr_at_peak = budget is not None
         configured = getattr(controller, "lr_scaling", None)
         if lr_coupling in (None, "auto") and configured is not None:
             lr_coupling = configured  # an explicit controller setting wins over "auto"
@@ -174,15 +179,14 @@ class TrackingSession:
         self.changed_this_step = False
         self._warned: set[str] = set()
         self._sanity = [0, 0.0, 0.0, 0.0]  # measured steps, sum small, sum big, sum K
-        budget = getattr(controller, "budget_tokens", None)
         if budget is not None and self.coupling_mode in ("sqrt", "linear") and not cap_lr_at_peak:
             self.warn_once(
                 "budget_coupling",
                 f"{owner}: the controller's budget_tokens={budget:g} with lr_coupling={self.coupling_mode!r} and "
                 "cap_lr_at_peak=False: the budget's plan grows the batch whatever the measured noise scale says "
-                "(up to max_batch), and the coupling raises the learning rate with every doubling. On a small GPT "
-                "at a constant LR this reached 131k-token batches at 16x the peak LR and ended 0.11-0.46 nats above "
-                "the default controller. With a budget, pass cap_lr_at_peak=True (or lr_coupling='keep').",
+                "(up to max_batch), and the coupling raises the learning rate above its peak with every doubling, "
+                "which can make the run unstable. Leave cap_lr_at_peak unset (it caps with a budget) or pass "
+                "lr_coupling='keep'.",
             )
 
     # ------------------------------------------------------------------ warnings
