@@ -35,7 +35,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -507,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baselines", default=None,
                    help="take the constant_512 rows from this earlier results.json (a constant batch does not "
                         "depend on the estimator or the controller) instead of running them")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds the plan covers (default: the setting's, 0,1); more seeds make more "
+                        "runs nameable in --runs and reported, without changing how any run trains")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--setting", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -517,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {r['final_val_loss']:.4f} after {r['steps']} steps, {r['train_only_s']:.0f} s of training")
         return 0
     setting = base.QUICK if args.quick else base.FULL
+    if args.seeds is not None:
+        try:
+            seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
+        except ValueError:
+            seeds = ()
+        if not seeds or any(x < 0 for x in seeds) or len(set(seeds)) != len(seeds):
+            p.error(f"--seeds={args.seeds!r}: expected distinct integers >= 0 separated by commas, e.g. 0,1,2,3")
+        setting = replace(setting, seeds=seeds)
     only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
     out.mkdir(parents=True, exist_ok=True)
     names = None if args.runs is None or args.report_only else [x.strip() for x in args.runs.split(",") if x.strip()]

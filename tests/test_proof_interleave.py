@@ -77,3 +77,22 @@ def test_interleave_cost_benchmark_times_only_the_timed_run(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["alone_step_s"] > 0
     assert result["ratio_median"] < 1.8, result
+
+
+def test_more_seeds_name_more_runs_and_bad_seeds_are_refused(script, tmp_path, capsys):
+    # --seeds widens the plan (runs at seed 2 become nameable) without changing the setting's key,
+    # so earlier results at seeds 0 and 1 stay valid; bad lists name the argument and what is allowed.
+    from dataclasses import replace
+
+    setting = script.base.QUICK
+    wider = replace(setting, seeds=(0, 1, 2))
+    names = {r.name for r in script.plan(wider)}
+    assert "constant_512_cosine_seed2" in names and "tracker_default_cosine_seed2" in names
+    assert "constant_512_cosine_seed2" not in {r.name for r in script.plan(setting)}
+    assert wider.key() == setting.key()
+    for bad in ("0,x", "1,1", "-1", ","):
+        with pytest.raises(SystemExit):
+            script.main(["--quick", "--out", str(tmp_path), "--seeds", bad, "--report-only"])
+        assert f"--seeds={bad!r}" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown run names"):
+        script.main(["--quick", "--out", str(tmp_path), "--runs", "constant_512_cosine_seed7"])
