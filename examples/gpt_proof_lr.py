@@ -460,7 +460,7 @@ def wallclock(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"seed": seed}
         for key, schedule in (("constant", "constant"), ("constant_fast", "constant_fast"),
                               ("accumulation_only", "tracker_default"), ("microbatch_first", "tracker_mbfirst"),
-                              ("microbatch_first_auto", "tracker_mbfirst_auto")):
+                              ("microbatch_first_auto", "tracker_mbfirst_auto"), ("kappa04", "tracker_kappa04")):
             r = results.get(Run(schedule, seed, "cosine").name)
             if r is None or "train_only_s" not in r:
                 continue
@@ -474,12 +474,13 @@ def wallclock(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 WALLCLOCK_RUNS = (("constant", "constant 512 (2 × 256)"), ("constant_fast", "constant 512 (1 × 512)"),
                   ("accumulation_only", "tracker, accumulation only"), ("microbatch_first", "tracker, microbatch first"),
-                  ("microbatch_first_auto", "tracker, microbatch first, measuring at auto"))
+                  ("microbatch_first_auto", "tracker, microbatch first, measuring at auto"),
+                  ("kappa04", "tracker, accumulation only, κ = 0.4"))
 
 
-def wallclock_table(rows: list[dict[str, Any]]) -> str:
-    """The wall-clock comparison as a markdown table (one row per seed and run)."""
-    lines = ["| seed | run | final val loss | vs constant 512 | optimizer steps | training seconds | time vs constant "
+def wallclock_table(rows: list[dict[str, Any]], label: str = "run") -> str:
+    """The wall-clock comparison as a markdown table (one row per seed and run; ``label`` heads the run column)."""
+    lines = [f"| seed | {label} | final val loss | vs constant 512 | optimizer steps | training seconds | time vs constant "
              "512 | reaches constant 512's final loss at |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         ref = row["constant"]
