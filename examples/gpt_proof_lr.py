@@ -468,8 +468,51 @@ def wallclock(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             reach = next((t for t, v in zip(e["train_s"], e["val_loss"]) if v <= ref["final_val_loss"]), None)
             row[key] = {"final_val_loss": r["final_val_loss"], "steps": r["steps"], "train_s": r["train_only_s"],
                         "reach_s": reach, "vs_constant": round(r["train_only_s"] / ref["train_only_s"], 3)}
+            if key != "constant" and r.get("trace", {}).get("global_batch"):
+                row[key]["phases"] = phase_ratios(r, ref)
         rows.append(row)
     return rows
+
+
+def phase_ratios(run: dict[str, Any], ref: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per global batch the run trained at: its tokens and its training time over ``ref``'s for the same tokens.
+
+    Both runs' training clocks are read at their evaluations and interpolated linearly in tokens at
+    the run's batch changes (evaluations come every ``eval_every_tokens``, so a phase shorter than a
+    few evaluations is read coarsely).
+    """
+    import numpy as np
+
+    tokens, batches = run["trace"]["tokens"], run["trace"]["global_batch"]
+    edges, levels, done = [0.0], [batches[0]], 0.0
+    for end, batch in zip(tokens, batches):
+        if batch != levels[-1]:
+            edges.append(done)
+            levels.append(batch)
+        done = end
+    edges.append(done)
+
+    def clock(r: dict[str, Any], at: float) -> float:
+        return float(np.interp(at, r["evals"]["tokens"], r["evals"]["train_s"]))
+
+    phases = []
+    for batch, start, end in zip(levels, edges, edges[1:]):
+        ref_s = clock(ref, end) - clock(ref, start)
+        phases.append({"global_batch": int(batch), "from_tokens": start, "to_tokens": end,
+                       "vs_constant": round((clock(run, end) - clock(run, start)) / ref_s, 3) if ref_s > 0 else None})
+    return phases
+
+
+def phase_table(rows: list[dict[str, Any]], key: str = "microbatch_first") -> str:
+    """``key``'s :func:`phase_ratios` as a markdown table: one row per seed and global batch."""
+    lines = ["| seed | global batch (tokens) | tokens trained at it | time vs constant 512 for those tokens |",
+             "|---|---|---|---|"]
+    for row in rows:
+        for ph in row.get(key, {}).get("phases", []):
+            ratio = "" if ph["vs_constant"] is None else f"{ph['vs_constant']:.2f}"
+            lines.append(f"| {row['seed']} | {ph['global_batch']:,} | {ph['from_tokens'] / 1e6:.2f}–"
+                         f"{ph['to_tokens'] / 1e6:.2f}M | {ratio} |")
+    return "\n".join(lines) + "\n"
 
 
 WALLCLOCK_RUNS = (("constant", "constant 512 (2 × 256)"), ("constant_fast", "constant 512 (1 × 512)"),

@@ -60,3 +60,31 @@ def test_microbatch_first_wallclock_table_is_what_the_script_wrote(results, labe
         mb = row["microbatch_first"]
         assert f"{mb['vs_constant']:.2f}×" in line
         assert f"{mb['final_val_loss'] - row['constant']['final_val_loss']:+.3f}".replace("-", "−") in line
+
+
+def test_microbatch_first_phase_table_is_what_the_script_wrote():
+    """The per-batch time ratios in docs/results.md (and the README's "once grown to 2 x 1,024" figure) are the
+    script's ``phase_ratios`` of the idle-machine runs, as written to their JSON."""
+    script = load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_claims")
+    rows = json.loads((ROOT / "docs" / "proof_mbfirst_idle_wallclock.json").read_text())
+    table = script.phase_table(rows)
+    assert len(table.splitlines()) > 2
+    results = (ROOT / "docs" / "results.md").read_text()
+    assert "\n".join("  " + line for line in table.splitlines()) in results
+    at_2048 = {f"{ph['vs_constant']:.2f}" for row in rows for ph in row["microbatch_first"]["phases"]
+               if ph["global_batch"] == 2048}
+    assert len(at_2048) == 1  # both seeds round alike, so the README can quote one figure
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("| growing the microbatch first"))
+    assert f"2 × 1,024 tokens: {at_2048.pop()}×" in line
+
+
+def test_phase_ratios_against_a_hand_computed_run():
+    # a run at batch 1 for 4 tokens then batch 2 for 4 more, twice as fast per token in its second phase as the
+    # reference's steady 1 s per token: the ratios are 1.0 and 0.5, read off evaluations at every 2 tokens
+    script = load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_claims")
+    run = {"trace": {"tokens": [1, 2, 3, 4, 6, 8], "global_batch": [1, 1, 1, 1, 2, 2]},
+           "evals": {"tokens": [0, 2, 4, 6, 8], "train_s": [0, 2, 4, 5, 6]}}
+    ref = {"evals": {"tokens": [0, 2, 4, 6, 8], "train_s": [0, 2, 4, 6, 8]}}
+    assert script.phase_ratios(run, ref) == [
+        {"global_batch": 1, "from_tokens": 0.0, "to_tokens": 4, "vs_constant": 1.0},
+        {"global_batch": 2, "from_tokens": 4, "to_tokens": 8, "vs_constant": 0.5}]
