@@ -13,7 +13,9 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
 * ``tracker_default_cap`` (first seed, cosine): the coupling capped at the peak LR;
 * ``tracker_convert_kappa1`` (first seed): the conversion allowed up to ``B_simple`` itself;
 * ``tracker_default`` and ``tracker_budget`` at a constant LR (the earlier proof's rows,
-  rerun with the new defaults); ``tracker_budget_cap`` the budget with ``cap_lr_at_peak=True``;
+  rerun with the new defaults, except that ``tracker_budget`` passes ``cap_lr_at_peak=False``:
+  the uncapped coupling that the default now avoids with a budget); ``tracker_budget_cap`` the
+  budget with the coupled LR capped at its peak (the default with a budget);
 * ``tracker_mbfirst`` (cosine): the default controller growing the microbatch first
   (``max_microbatch``), for the wall-clock comparison; ``tracker_mbfirst_auto`` the same
   measuring at ``measure_every="auto"`` (the tracker's own work kept near 1% of a step);
@@ -87,7 +89,7 @@ def plan(setting: base.Setting) -> list[Run]:
             runs += [Run("tracker_convert_kappa1", seed, s) for s in ("cosine", "wsd")]
     for seed in setting.seeds:
         runs += [Run("tracker_default", seed, "constant"), Run("tracker_budget", seed, "constant")]
-    # the budget's plan with the coupled LR capped at its peak (what the tracker advises with a budget)
+    # the budget's plan with the coupled LR capped at its peak (the library's default with a budget)
     runs += [Run("tracker_budget", seed, "constant", cap=True) for seed in setting.seeds]
     runs += [Run("tracker_mbfirst", seed, "cosine") for seed in setting.seeds]  # microbatch first, wall-clock
     runs += [Run("tracker_mbfirst_auto", seed, "cosine") for seed in setting.seeds]  # ... measuring at "auto"
@@ -477,9 +479,11 @@ def wallclock(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def phase_ratios(run: dict[str, Any], ref: dict[str, Any]) -> list[dict[str, Any]]:
     """Per global batch the run trained at: its tokens and its training time over ``ref``'s for the same tokens.
 
-    Both runs' training clocks are read at their evaluations and interpolated linearly in tokens at
-    the run's batch changes (evaluations come every ``eval_every_tokens``, so a phase shorter than a
-    few evaluations is read coarsely).
+    A batch change is placed at the last trace sample before it (the trace samples a step every
+    ``trace_every_tokens``, so an edge may sit up to that many tokens early); the last phase ends
+    at the run's final tokens. Both runs' training clocks are read at their evaluations and
+    interpolated linearly in tokens at those edges (evaluations come every ``eval_every_tokens``,
+    so a phase shorter than a few evaluations is read coarsely).
     """
     import numpy as np
 
@@ -490,7 +494,7 @@ def phase_ratios(run: dict[str, Any], ref: dict[str, Any]) -> list[dict[str, Any
             edges.append(done)
             levels.append(batch)
         done = end
-    edges.append(done)
+    edges.append(max(done, float(run.get("tokens", done))))
 
     def clock(r: dict[str, Any], at: float) -> float:
         return float(np.interp(at, r["evals"]["tokens"], r["evals"]["train_s"]))
@@ -527,13 +531,13 @@ def wallclock_table(rows: list[dict[str, Any]], label: str = "run") -> str:
              "512 | reaches constant 512's final loss at |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         ref = row["constant"]
-        for key, label in WALLCLOCK_RUNS:
+        for key, name in WALLCLOCK_RUNS:
             r = row.get(key)
             if r is None:
                 continue
             delta = "" if key == "constant" else f"{r['final_val_loss'] - ref['final_val_loss']:+.4f}"
             reach = "never" if r["reach_s"] is None else f"{r['reach_s']:,.0f} s"
-            lines.append(f"| {row['seed']} | {label} | {r['final_val_loss']:.4f} | {delta} | {r['steps']:,} | "
+            lines.append(f"| {row['seed']} | {name} | {r['final_val_loss']:.4f} | {delta} | {r['steps']:,} | "
                          f"{r['train_s']:,.0f} | {r['vs_constant']:.2f} | {reach} |")
     return "\n".join(lines) + "\n"
 
@@ -591,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     if draw_wallclock(results, out / "wallclock.png"):
         timed = wallclock(results)
         (out / "wallclock.json").write_text(json.dumps(timed, indent=1))
-        (out / "wallclock.md").write_text(wallclock_table(timed))
+        (out / "wallclock.md").write_text(wallclock_table(timed) + "\n" + phase_table(timed))
     print(table(rows))
     return 0
 

@@ -445,8 +445,10 @@ class CBSCallback(Callback):
             if config.interval == "step" and session.timer is None:
                 session.attach_scheduler(config.scheduler)
             elif config.interval == "epoch":
+                # an epoch holds the same data at any batch size: stepped once per Lightning call (which,
+                # by Lightning's version, comes at the epoch's last batch or after on_train_epoch_end)
                 timer = ScheduleTimer(config.scheduler, session.optimizer, owner="CBSCallback",
-                                      cap_at_peak=session.cap_lr_at_peak)
+                                      cap_at_peak=session.cap_lr_at_peak, per_call=True)
                 timer.coupling = session.coupling
                 self._epoch_timers.append(timer)
 
@@ -471,10 +473,6 @@ class CBSCallback(Callback):
             return
         if self.session is not None and self.session.pending_accumulation is not None:
             self._apply_pending(trainer, batch_idx=-1)  # any value is safe: batch_idx restarts at 0
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for timer in self._epoch_timers:
-            timer.owe(1)  # epoch schedulers step after this hook, once per epoch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._loader is not None and self.session is not None:

@@ -10,6 +10,7 @@ at the same position. Plain loop (with a resume mid-run) and Lightning.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -213,8 +214,6 @@ class _no_warning:
     """Fails if a UserWarning is raised inside the block."""
 
     def __enter__(self):
-        import warnings
-
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.simplefilter("error", UserWarning)
@@ -305,3 +304,53 @@ def test_fsdp2_on_two_gloo_ranks_follows_the_same_timing(tmp_path):
     for position, acc, lr in rows:  # SGD: linear coupling
         assert lr == pytest.approx(reference[position] * acc / A0, rel=1e-9), (position, acc)
     assert ranks[0]["position"] == ranks[0]["last_epoch"] == 48
+
+
+class _EpochLRLog(pl.Callback):
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.rows.append((trainer.current_epoch, trainer.accumulate_grad_batches, optimizer.param_groups[0]["lr"]))
+
+
+class _EpochScheduled(Regression):
+    def __init__(self, gamma: float) -> None:
+        super().__init__(lr=0.05, optimizer="adam")
+        self.gamma = gamma
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+
+class _BudgetPlan(PlanController):
+    budget_tokens = 1e9  # a budget-aware controller, as far as the LR cap is concerned
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+@pytest.mark.parametrize(("gamma", "controller", "kwargs", "capped"), [
+    (0.5, PlanController, {}, False),        # a decaying epoch schedule, coupled, not capped
+    (1.0, _BudgetPlan, {}, True),            # with a budget the coupled LR stays at the peak by default
+    (1.0, _BudgetPlan, {"cap_lr_at_peak": False}, False),
+])
+def test_lightning_epoch_interval_scheduler_under_growth(gamma, controller, kwargs, capped):
+    # Truth: the bare StepLR, one step per epoch (an epoch holds the same data at any batch size),
+    # times sqrt(A / A0), capped at the peak where the cap is on. An epoch-interval scheduler once
+    # crashed the run at the first epoch end (Lightning 2.6 steps it before on_train_epoch_end).
+    log = _EpochLRLog()
+    cbs = CBSCallback(controller=controller({2: 4, 5: 8}), unit="samples", **kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_epochs=3,
+                         accumulate_grad_batches=A0, callbacks=[log, cbs])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit(_EpochScheduled(gamma), torch.utils.data.DataLoader(regression_data(64), batch_size=2))
+    assert {e for e, _, _ in log.rows} == {0, 1, 2} and max(a for _, a, _ in log.rows) == 8
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3
+    for epoch, acc, lr in log.rows:
+        coupled = 0.05 * gamma**epoch * math.sqrt(acc / A0)
+        assert lr == pytest.approx(min(coupled, 0.05) if capped else coupled, rel=1e-9), (epoch, acc, lr)
+    if gamma == 1.0:  # the cap binds after an epoch end (the epoch scheduler's own write)
+        assert any(math.sqrt(a / A0) > 1.0 for e, a, _ in log.rows if e > 0)

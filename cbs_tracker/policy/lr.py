@@ -147,10 +147,12 @@ class ScheduleTimer:
 
     The scheduler's class is swapped for a subclass whose ``step`` does this (the
     instance ``__dict__`` and so its ``state_dict`` are untouched); :meth:`detach`
-    restores it. A second ``step()`` call for the same optimizer step raises.
+    restores it. A second ``step()`` call for the same optimizer step raises. With
+    ``per_call=True`` (epoch-interval schedulers) each call advances the scheduler once.
     """
 
-    def __init__(self, scheduler: Any, optimizer: Any, *, owner: str, cap_at_peak: bool = False) -> None:
+    def __init__(self, scheduler: Any, optimizer: Any, *, owner: str, cap_at_peak: bool = False,
+                 per_call: bool = False) -> None:
         if isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None)):
             raise TypeError(
                 f"{owner}(lr_scheduler={scheduler!r}): expected a torch.optim.lr_scheduler instance "
@@ -174,6 +176,9 @@ class ScheduleTimer:
         self.owed = 0
         self.writes = 0
         self._plateau = type(scheduler).__name__ == "ReduceLROnPlateau"
+        # one step per call, not re-timed: an epoch-interval scheduler (an epoch holds the same data
+        # at any batch size), whenever the framework calls it
+        self.per_call = bool(per_call)
         groups = optimizer.param_groups
         self.scheduled = [float(g["lr"]) for g in groups]
         self.peak = [float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in groups]
@@ -205,8 +210,8 @@ class ScheduleTimer:
         groups = self.optimizer.param_groups
         for g, lr in zip(groups, self.scheduled):
             g["lr"] = _set(g["lr"], lr)
-        if self._plateau:
-            # metric-driven, not step-sized: one call, no re-timing
+        if self._plateau or self.per_call:
+            # metric-driven or epoch-sized, not step-sized: one call, no re-timing
             self._orig_class.step(self.scheduler, *args, **kwargs)
         else:
             if self.owed <= 0:
