@@ -572,6 +572,8 @@ def test_bad_batch_size_fn_result_is_refused():
         ({"estimator": 3}, TypeError, r"CBSCallback\(estimator=int\): expected a NoiseScaleEstimator or None"),
         ({"log_every_n_steps": 0}, ValueError, r"CBSCallback\(log_every_n_steps=0\): must be an integer >= 1 or None"),
         ({"prog_bar": None}, TypeError, r"CBSCallback\(prog_bar=None\): expected True or False"),
+        ({"cap_lr_at_peak": "yes"}, TypeError, r"CBSCallback\(cap_lr_at_peak='yes'\): expected True, False or None"),
+        ({"retime_schedulers": None}, TypeError, r"CBSCallback\(retime_schedulers=None\): expected True or False"),
         ({"name": 3}, TypeError, r"CBSCallback\(name=3\): expected a str or None"),
     ],
 )

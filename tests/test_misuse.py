@@ -507,3 +507,14 @@ def test_a_budget_whose_plan_would_raise_the_lr_with_the_batch_is_warned(optimiz
     assert len(budget) == (1 if warns else 0), [str(w.message) for w in seen]
     if warns:
         assert "cap_lr_at_peak=False" in str(budget[0].message) and "lr_coupling='keep'" in str(budget[0].message)
+
+
+def test_a_cap_lr_at_peak_that_is_not_a_flag_is_refused_naming_it():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(TypeError, match=r"CBSTracker\(cap_lr_at_peak='yes'\): expected True, False or None"):
+        CBSTracker(model, opt, accumulation_steps=2, cap_lr_at_peak="yes")
+    from cbs_tracker.integrations.transformers import CBSTrainer
+
+    with pytest.raises(TypeError, match=r"CBSTrainer\(cap_lr_at_peak='yes'\): expected True, False or None"):
+        CBSTrainer(cap_lr_at_peak="yes")
