@@ -443,7 +443,10 @@ class CBSCallback(Callback):
             if getattr(config.scheduler, "optimizer", None) is not session.optimizer:
                 continue
             if config.interval == "step" and session.timer is None:
-                session.attach_scheduler(config.scheduler)
+                # Lightning steps it where (batch_idx + 1) % frequency == 0 at an optimizer step: at the
+                # starting accumulation A0, once every lcm(A0, frequency) / A0 optimizer steps
+                a0 = session.starting_accumulation
+                session.attach_scheduler(config.scheduler, period=math.lcm(a0, int(config.frequency)) // a0)
             elif config.interval == "epoch":
                 # an epoch holds the same data at any batch size: stepped once per Lightning call (which,
                 # by Lightning's version, comes at the epoch's last batch or after on_train_epoch_end)

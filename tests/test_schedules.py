@@ -354,3 +354,41 @@ def test_lightning_epoch_interval_scheduler_under_growth(gamma, controller, kwar
         assert lr == pytest.approx(min(coupled, 0.05) if capped else coupled, rel=1e-9), (epoch, acc, lr)
     if gamma == 1.0:  # the cap binds after an epoch end (the epoch scheduler's own write)
         assert any(math.sqrt(a / A0) > 1.0 for e, a, _ in log.rows if e > 0)
+
+
+class _EveryThirdStep(Regression):
+    """A step scheduler Lightning steps only where (batch_idx + 1) % 3 == 0 at an optimizer step."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 3}}
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+def test_lightning_step_scheduler_with_a_frequency_keeps_its_pace_in_data():
+    # Truth: the same Trainer without the callback. At A0 = 2 and frequency 3 Lightning steps the
+    # scheduler once every 3 optimizer steps (6 batches), 16 times in 96 batches. Under growth it must
+    # still take one step per 3 starting-batch steps of data (the tracker once advanced it by every
+    # starting-batch step owed, 3x too fast), lagging the constant run by at most one call's worth.
+    def run(tracked: bool):
+        log = _LRLog()
+        cbs = CBSCallback(controller=PlanController({2: 4, 5: 8}), unit="samples") if tracked else None
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, max_epochs=1,
+                             accumulate_grad_batches=A0, callbacks=[log] + ([cbs] if tracked else []))
+        trainer.fit(_EveryThirdStep(lr=0.05, optimizer="adam"),
+                    torch.utils.data.DataLoader(regression_data(192), batch_size=2))
+        return log.rows, trainer.lr_scheduler_configs[0].scheduler
+
+    const, const_sched = run(False)
+    grown, sched = run(True)
+    assert const_sched.last_epoch == 16 and len(const) == 48
+    assert sched.last_epoch == const_sched.last_epoch
+    const_lr = [lr for _, _, lr in const]
+    assert max(a for _, a, _ in grown) == 8
+    for position, acc, lr in grown:
+        scheduled = lr / math.sqrt(acc / A0)
+        lag = 3 * acc // A0  # starting-batch steps between two of Lightning's calls at this accumulation
+        assert any(scheduled == pytest.approx(const_lr[q], rel=1e-9)
+                   for q in range(max(0, position - lag), position + 1)), (position, acc, lr)

@@ -201,8 +201,11 @@ class TrackingSession:
             warnings.warn(message, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ learning rate
-    def attach_scheduler(self, scheduler: Any) -> None:
+    def attach_scheduler(self, scheduler: Any, period: int = 1) -> None:
         """Time ``scheduler`` (sized in optimizer steps at the starting batch) in units seen.
+
+        ``period``: starting-batch steps per scheduler step (1 unless the framework steps the
+        scheduler only every few optimizer steps, as Lightning's ``frequency`` does).
 
         From now on each of its ``step()`` calls advances it by the starting-batch steps
         of the optimizer steps since the last call, and the learning rate it sets is
@@ -210,7 +213,8 @@ class TrackingSession:
         """
         if self.optimizer is None:
             raise ValueError(f"{self.owner}(lr_scheduler=...): a scheduler needs optimizer= as well")
-        self.timer = ScheduleTimer(scheduler, self.optimizer, owner=self.owner, cap_at_peak=self.cap_lr_at_peak)
+        self.timer = ScheduleTimer(scheduler, self.optimizer, owner=self.owner, cap_at_peak=self.cap_lr_at_peak,
+                                   period=period)
         self.timer.coupling = self.coupling
         if self._pending_schedule_state is not None:
             # restored before the scheduler was attached (Lightning loads callbacks first)

@@ -152,7 +152,7 @@ class ScheduleTimer:
     """
 
     def __init__(self, scheduler: Any, optimizer: Any, *, owner: str, cap_at_peak: bool = False,
-                 per_call: bool = False) -> None:
+                 per_call: bool = False, period: int = 1) -> None:
         if isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None)):
             raise TypeError(
                 f"{owner}(lr_scheduler={scheduler!r}): expected a torch.optim.lr_scheduler instance "
@@ -179,6 +179,12 @@ class ScheduleTimer:
         # one step per call, not re-timed: an epoch-interval scheduler (an epoch holds the same data
         # at any batch size), whenever the framework calls it
         self.per_call = bool(per_call)
+        # starting-batch steps per scheduler step (Lightning's ``frequency``: the constant-batch run
+        # steps its scheduler once every ``period`` optimizer steps); what a call leaves is carried
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"{owner}: scheduler period={period!r}: must be an integer >= 1")
+        self.period = period
+        self.carry = 0
         groups = optimizer.param_groups
         self.scheduled = [float(g["lr"]) for g in groups]
         self.peak = [float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in groups]
@@ -222,7 +228,8 @@ class ScheduleTimer:
                     "its own units-seen timing on each call: call lr_scheduler.step() once per optimizer "
                     "step, after optimizer.step(), and nowhere else."
                 )
-            n, self.owed = self.owed, 0
+            n, self.carry = divmod(self.owed + self.carry, self.period)
+            self.owed = 0
             for _ in range(n):
                 self._orig_class.step(self.scheduler, *args, **kwargs)
         self.scheduled = [float(g["lr"]) for g in groups]
@@ -238,11 +245,12 @@ class ScheduleTimer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduled_lrs": list(self.scheduled), "owed": self.owed}
+        return {"scheduled_lrs": list(self.scheduled), "owed": self.owed, "carry": self.carry}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduled = [float(v) for v in state["scheduled_lrs"]]
         self.owed = int(state["owed"])
+        self.carry = int(state.get("carry", 0))
 
 
 def _has_timer(scheduler: Any) -> bool:
