@@ -10,6 +10,7 @@ Same model, data order and token budget for every run; only the batch schedule d
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import inspect
 import json
@@ -261,11 +262,16 @@ def controller_config(controller: Any) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=1)
 def _library_commit() -> str | None:
-    """The git commit of the checkout this script runs from, if it is one (provenance only)."""
+    """The git commit of the checkout this script runs from, ``-dirty`` if its tree had changes (provenance).
+
+    Read once per process, at its first call (the proof scripts call it when a run starts), so a
+    commit made while a long run trains is not recorded as the run's.
+    """
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                              cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None
@@ -283,6 +289,8 @@ def _round(x: float | None, digits: int = 5) -> float | None:
 def train_run(spec: RunSpec, setting: Setting, out: Path) -> dict[str, Any]:
     """Train one run in this process and return its record (also written to ``runs/<name>.json``)."""
     import torch
+
+    _library_commit()  # read now: the code this run imports, not a commit made while it trains
     from cbs_tracker.integrations.plain import CBSTracker
     from cbs_tracker.integrations.tensorboard import TensorBoardLogger
 

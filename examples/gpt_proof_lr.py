@@ -193,6 +193,8 @@ def train_steps(run: Run, setting: base.Setting, out: Path, others: list[str]) -
 def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
                 others: list[str]) -> Generator[float, None, dict[str, Any]]:
     import torch
+
+    base._library_commit()  # read now: the code this run imports, not a commit made while it trains
     from cbs_tracker.integrations.plain import CBSTracker
 
     from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus

@@ -96,3 +96,26 @@ def test_more_seeds_name_more_runs_and_bad_seeds_are_refused(script, tmp_path, c
         assert f"--seeds={bad!r}" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown run names"):
         script.main(["--quick", "--out", str(tmp_path), "--runs", "constant_512_cosine_seed7"])
+
+
+def test_the_library_commit_is_read_once_when_a_run_starts(script, monkeypatch):
+    # a commit made while a long run trains must not be recorded as the run's: read once, and
+    # ``-dirty`` when the tree had uncommitted changes
+    import subprocess
+    import types
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return types.SimpleNamespace(returncode=0, stdout=f"abc{len(calls)}-dirty\n")
+
+    base = script.base
+    base._library_commit.cache_clear()
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    try:
+        assert base._library_commit() == "abc1-dirty"
+        assert base._library_commit() == "abc1-dirty"  # a later commit is not seen
+        assert len(calls) == 1 and "--dirty" in calls[0]
+    finally:
+        base._library_commit.cache_clear()
