@@ -22,7 +22,8 @@ def _readme_rows(header: str = "| run | LR schedule | seed | final val loss |") 
     [("| run | LR schedule | seed | final val loss |", "proof_lr_results.json"),
      ("| run (window estimator) | LR schedule | seed | final val loss |", "proof_lr_window_results.json"),
      ("| run (κ = 0.4) | LR schedule | seed | final val loss |", "proof_kappa04_results.json"),
-     ("| run (constant LR, window estimator) | LR schedule | seed | final val loss |", "proof_constlr_results.json")],
+     ("| run (constant LR, window estimator) | LR schedule | seed | final val loss |", "proof_constlr_results.json"),
+     ("| run (seeds 2 and 3) | LR schedule | seed | final val loss |", "proof_seeds_results.json")],
 )
 def test_readme_proof_table_is_what_the_script_wrote(header, results):
     runs = {(r["name"].rsplit("_seed", 1)[0], r["seed"]): r for r in json.loads(
@@ -43,7 +44,8 @@ def test_readme_proof_table_is_what_the_script_wrote(header, results):
 
 
 @pytest.mark.parametrize(("results", "label"), [("proof_mbfirst_wallclock.json", "run"),
-                                                 ("proof_mbfirst_idle_wallclock.json", "run (idle machine)")])
+                                                 ("proof_mbfirst_idle_wallclock.json", "run (idle machine)"),
+                                                 ("proof_seeds_wallclock.json", "run (seeds 2 and 3)")])
 def test_microbatch_first_wallclock_table_is_what_the_script_wrote(results, label):
     """docs/results.md's wall-clock tables against what the script wrote, through the script's own
     formatter; the README's row quotes the microbatch-first time ratios and loss gaps of both seeds."""
@@ -88,3 +90,23 @@ def test_phase_ratios_against_a_hand_computed_run():
     assert script.phase_ratios(run, ref) == [
         {"global_batch": 1, "from_tokens": 0.0, "to_tokens": 4, "vs_constant": 1.0},
         {"global_batch": 2, "from_tokens": 4, "to_tokens": 8, "vs_constant": 0.5}]
+
+
+def test_readme_kappa_comparison_over_four_cosine_seeds_is_what_the_runs_wrote():
+    """The README's paired kappa figures, recomputed from the three results files they come from."""
+    import statistics
+
+    def deltas(results: str, schedule: str) -> dict[int, float]:
+        rows = json.loads((ROOT / "docs" / results).read_text())["runs"]
+        return {r["seed"]: r["delta_loss_vs_constant_512"] for r in rows
+                if r["schedule"] == schedule and r["lr_schedule"] == "cosine"}
+
+    k05 = {**deltas("proof_lr_window_results.json", "tracker_default"), **deltas("proof_seeds_results.json", "tracker_default")}
+    k04 = {**deltas("proof_kappa04_results.json", "tracker_kappa04"), **deltas("proof_seeds_results.json", "tracker_kappa04")}
+    assert sorted(k05) == sorted(k04) == [0, 1, 2, 3]
+    paired = [k05[s] - k04[s] for s in range(4)]
+    mean, se = statistics.mean(paired), statistics.stdev(paired) / 2
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("- `κ = 0.5` was chosen"))
+    assert f"`κ = 0.5` ended {mean:.3f} above `κ = 0.4` (about {mean / se:.1f} standard errors)" in line
+    fmt = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
+    assert f"`κ = 0.5` ended {fmt(k05[2])} / {fmt(k05[3])} and `κ = 0.4` {fmt(k04[2])} / {fmt(k04[3])}" in line
