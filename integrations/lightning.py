@@ -453,6 +453,10 @@ class CBSCallback(Callback):
                 timer = ScheduleTimer(config.scheduler, session.optimizer, owner="CBSCallback",
                                       cap_at_peak=session.cap_lr_at_peak, per_call=True)
                 timer.coupling = session.coupling
+                if session.coupling != 1.0:
+                    # a resumed run's groups hold the coupled value; the schedule's own is that over the
+                    # coupling (exact unless the cap held the LR below it)
+                    timer.scheduled = [v / session.coupling for v in timer.scheduled]
                 self._epoch_timers.append(timer)
 
     def _apply_restored(self, trainer: pl.Trainer) -> None:
@@ -464,6 +468,11 @@ class CBSCallback(Callback):
         trainer.accumulate_grad_batches = session.accumulation_steps
 
     # ------------------------------------------------------------------ per batch
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        timer = None if self.session is None else self.session.timer
+        if timer is not None and timer.period > 1:
+            timer.end_period_count()  # Lightning's frequency counts batch_idx, which restarts each epoch
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A window that never reached its step (the previous epoch was cut short) is discarded:
         # Lightning zeroes its gradients on the first batch of this epoch.

@@ -110,3 +110,12 @@ def test_readme_kappa_comparison_over_four_cosine_seeds_is_what_the_runs_wrote()
     assert f"`κ = 0.5` ended {mean:.3f} above `κ = 0.4` (about {mean / se:.1f} standard errors)" in line
     fmt = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
     assert f"`κ = 0.5` ended {fmt(k05[2])} / {fmt(k05[3])} and `κ = 0.4` {fmt(k04[2])} / {fmt(k04[3])}" in line
+
+
+def test_readme_accumulation_only_range_is_what_the_runs_wrote():
+    rows = [row for name in ("proof_mbfirst_wallclock.json", "proof_seeds_wallclock.json")
+            for row in json.loads((ROOT / "docs" / name).read_text())]
+    ratios = [row["accumulation_only"]["vs_constant"] for row in rows]
+    assert len(ratios) == 4
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("| growing the microbatch first"))
+    assert f"growing only the accumulation: {min(ratios):.2f}–{max(ratios):.2f}×" in line

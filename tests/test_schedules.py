@@ -366,29 +366,76 @@ class _EveryThirdStep(Regression):
 
 
 @pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
-def test_lightning_step_scheduler_with_a_frequency_keeps_its_pace_in_data():
+@pytest.mark.parametrize(("batches", "epochs", "expected"), [(96, 1, 16), (14, 3, 6)])
+def test_lightning_step_scheduler_with_a_frequency_keeps_its_pace_in_data(batches, epochs, expected):
     # Truth: the same Trainer without the callback. At A0 = 2 and frequency 3 Lightning steps the
     # scheduler once every 3 optimizer steps (6 batches), 16 times in 96 batches. Under growth it must
     # still take one step per 3 starting-batch steps of data (the tracker once advanced it by every
     # starting-batch step owed, 3x too fast), lagging the constant run by at most one call's worth.
+    # Lightning's count restarts each epoch: 14 batches hold floor(14 / 6) = 2 scheduler steps per epoch,
+    # and what an epoch leaves is not carried into the next.
     def run(tracked: bool):
         log = _LRLog()
         cbs = CBSCallback(controller=PlanController({2: 4, 5: 8}), unit="samples") if tracked else None
         trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, max_epochs=1,
+                             enable_progress_bar=False, enable_model_summary=False, max_epochs=epochs,
                              accumulate_grad_batches=A0, callbacks=[log] + ([cbs] if tracked else []))
-        trainer.fit(_EveryThirdStep(lr=0.05, optimizer="adam"),
-                    torch.utils.data.DataLoader(regression_data(192), batch_size=2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            trainer.fit(_EveryThirdStep(lr=0.05, optimizer="adam"),
+                        torch.utils.data.DataLoader(regression_data(2 * batches), batch_size=2))
         return log.rows, trainer.lr_scheduler_configs[0].scheduler
 
     const, const_sched = run(False)
     grown, sched = run(True)
-    assert const_sched.last_epoch == 16 and len(const) == 48
+    assert const_sched.last_epoch == expected and len(const) == epochs * batches // A0
     assert sched.last_epoch == const_sched.last_epoch
     const_lr = [lr for _, _, lr in const]
-    assert max(a for _, a, _ in grown) == 8
+    assert max(a for _, a, _ in grown) >= 4
     for position, acc, lr in grown:
         scheduled = lr / math.sqrt(acc / A0)
         lag = 3 * acc // A0  # starting-batch steps between two of Lightning's calls at this accumulation
         assert any(scheduled == pytest.approx(const_lr[q], rel=1e-9)
                    for q in range(max(0, position - lag), position + 1)), (position, acc, lr)
+
+
+@pytest.mark.parametrize(("carry", "error"), [("x", TypeError), (-1, ValueError), (1.5, TypeError)])
+def test_a_bad_schedule_carry_in_a_checkpoint_is_refused_before_anything_changes(carry, error):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    tracker = CBSTracker(model, opt, accumulation_steps=A0, unit="samples",
+                         lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0))
+    state = tracker.state_dict()
+    before = tracker.state_dict()
+    with pytest.raises(error, match=r"'carry' must be an integer >= 0"):
+        tracker.load_state_dict({**state, "step": 7, "schedule": {**state["schedule"], "carry": carry}})
+    assert tracker.state_dict() == before
+    tracker.load_state_dict({**state, "schedule": {k: v for k, v in state["schedule"].items() if k != "carry"}})
+    assert tracker.session.timer.carry == 0  # a checkpoint from before the carry existed
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
+def test_lightning_epoch_interval_scheduler_resumes_with_the_coupling_applied_once(tmp_path):
+    # Resumed, the optimizer's LR comes back coupled; the epoch scheduler's own value is that over the
+    # coupling. Truth: the bare StepLR per epoch times sqrt(A / A0), before and after the resume
+    # (once applied twice: sqrt(A / A0) squared after the resume).
+    def fit(epochs: int, ckpt: str | None):
+        log = _EpochLRLog()
+        cbs = CBSCallback(controller=PlanController({2: 4, 5: 8}), unit="samples")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, max_epochs=epochs,
+                             accumulate_grad_batches=A0, callbacks=[log, cbs])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            trainer.fit(_EpochScheduled(0.5), torch.utils.data.DataLoader(regression_data(64), batch_size=2),
+                        ckpt_path=ckpt)
+        return trainer, log.rows
+
+    first, rows = fit(1, None)
+    assert max(a for _, a, _ in rows) == 8
+    path = str(tmp_path / "epoch1.ckpt")
+    first.save_checkpoint(path)
+    _, resumed = fit(3, path)
+    assert {e for e, _, _ in resumed} == {1, 2}
+    for epoch, acc, lr in rows + resumed:
+        assert lr == pytest.approx(0.05 * 0.5**epoch * math.sqrt(acc / A0), rel=1e-9), (epoch, acc, lr)

@@ -633,6 +633,7 @@ class TrackingSession:
             if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in schedule["scheduled_lrs"]):
                 raise ValueError(f"{where}: 'schedule.scheduled_lrs' must hold finite numbers >= 0")
             _int(schedule, "owed", where + " schedule", minimum=0)
+            _int(schedule, "carry", where + " schedule", minimum=0, default=0)
         # nested parts: validate and load atomically (restore both on failure)
         est_before = self.estimator.state_dict()
         ctl_before = None if self.controller is None else self.controller.state_dict()

@@ -206,6 +206,25 @@ class ScheduleTimer:
         self.coupling = float(factor)
         self._write()
 
+    def end_period_count(self) -> None:
+        """Take the scheduler steps the owed starting-batch steps still hold, then drop the remainder.
+
+        For a framework whose step count restarts with each epoch (Lightning's ``frequency`` counts
+        ``batch_idx``): the constant-batch run takes ``floor(batches / lcm(A0, f))`` scheduler steps
+        per epoch, so what an epoch leaves is not carried into the next.
+        """
+        n = (self.owed + self.carry) // self.period
+        self.owed = self.carry = 0
+        if n <= 0 or self._plateau or self.per_call:
+            return
+        groups = self.optimizer.param_groups
+        for g, lr in zip(groups, self.scheduled):
+            g["lr"] = _set(g["lr"], lr)
+        for _ in range(n):
+            self._orig_class.step(self.scheduler)
+        self.scheduled = [float(g["lr"]) for g in groups]
+        self._write()
+
     def detach(self) -> None:
         """Give the scheduler its own class back (the learning rate stays as it is)."""
         if type(self.scheduler) is not self._orig_class and _has_timer(self.scheduler):
