@@ -450,14 +450,11 @@ class CBSCallback(Callback):
             elif config.interval == "epoch":
                 # an epoch holds the same data at any batch size: stepped once per Lightning call (which,
                 # by Lightning's version, comes at the epoch's last batch or after on_train_epoch_end)
-                timer = ScheduleTimer(config.scheduler, session.optimizer, owner="CBSCallback",
-                                      cap_at_peak=session.cap_lr_at_peak, per_call=True)
-                timer.coupling = session.coupling
-                if session.coupling != 1.0:
-                    # a resumed run's groups hold the coupled value; the schedule's own is that over the
-                    # coupling (exact unless the cap held the LR below it)
-                    timer.scheduled = [v / session.coupling for v in timer.scheduled]
-                self._epoch_timers.append(timer)
+                # a resumed run's groups hold the coupled LR: the schedule's own is that over the coupling
+                # (exact unless the cap held the LR below it)
+                self._epoch_timers.append(ScheduleTimer(config.scheduler, session.optimizer, owner="CBSCallback",
+                                                        cap_at_peak=session.cap_lr_at_peak, per_call=True,
+                                                        coupling=session.coupling))
 
     def _apply_restored(self, trainer: pl.Trainer) -> None:
         state, session = self._restored, self.session

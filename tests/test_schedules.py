@@ -421,7 +421,8 @@ def test_lightning_epoch_interval_scheduler_resumes_with_the_coupling_applied_on
     # (once applied twice: sqrt(A / A0) squared after the resume).
     def fit(epochs: int, ckpt: str | None):
         log = _EpochLRLog()
-        cbs = CBSCallback(controller=PlanController({2: 4, 5: 8}), unit="samples")
+        # growth also after the resume (step 9), so the coupling changes on the restored schedule
+        cbs = CBSCallback(controller=PlanController({2: 4, 5: 8, 9: 16}), unit="samples")
         trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, max_epochs=epochs,
                              accumulate_grad_batches=A0, callbacks=[log, cbs])
@@ -436,6 +437,6 @@ def test_lightning_epoch_interval_scheduler_resumes_with_the_coupling_applied_on
     path = str(tmp_path / "epoch1.ckpt")
     first.save_checkpoint(path)
     _, resumed = fit(3, path)
-    assert {e for e, _, _ in resumed} == {1, 2}
+    assert {e for e, _, _ in resumed} == {1, 2} and max(a for _, a, _ in resumed) == 16
     for epoch, acc, lr in rows + resumed:
         assert lr == pytest.approx(0.05 * 0.5**epoch * math.sqrt(acc / A0), rel=1e-9), (epoch, acc, lr)

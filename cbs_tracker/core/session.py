@@ -214,15 +214,11 @@ class TrackingSession:
         if self.optimizer is None:
             raise ValueError(f"{self.owner}(lr_scheduler=...): a scheduler needs optimizer= as well")
         self.timer = ScheduleTimer(scheduler, self.optimizer, owner=self.owner, cap_at_peak=self.cap_lr_at_peak,
-                                   period=period)
-        self.timer.coupling = self.coupling
+                                   period=period, coupling=self.coupling)
         if self._pending_schedule_state is not None:
             # restored before the scheduler was attached (Lightning loads callbacks first)
             self.timer.load_state_dict(self._pending_schedule_state)
             self._pending_schedule_state = None
-        elif self.coupling != 1.0:
-            # the groups hold the coupled value; the schedule's own is that over the coupling
-            self.timer.scheduled = [v / self.coupling for v in self.timer.scheduled]
 
     def detach_scheduler(self) -> None:
         if self.timer is not None:

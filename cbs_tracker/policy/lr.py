@@ -152,7 +152,7 @@ class ScheduleTimer:
     """
 
     def __init__(self, scheduler: Any, optimizer: Any, *, owner: str, cap_at_peak: bool = False,
-                 per_call: bool = False, period: int = 1) -> None:
+                 per_call: bool = False, period: int = 1, coupling: float = 1.0) -> None:
         if isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None)):
             raise TypeError(
                 f"{owner}(lr_scheduler={scheduler!r}): expected a torch.optim.lr_scheduler instance "
@@ -172,7 +172,8 @@ class ScheduleTimer:
         self.optimizer = optimizer
         self.owner = owner
         self.cap_at_peak = bool(cap_at_peak)
-        self.coupling = 1.0
+        # the groups hold the scheduled value times the coupling now in force (a resumed run's)
+        self.coupling = float(coupling)
         self.owed = 0
         self.writes = 0
         self._plateau = type(scheduler).__name__ == "ReduceLROnPlateau"
@@ -186,7 +187,7 @@ class ScheduleTimer:
         self.period = period
         self.carry = 0
         groups = optimizer.param_groups
-        self.scheduled = [float(g["lr"]) for g in groups]
+        self.scheduled = [float(g["lr"]) / self.coupling for g in groups]
         self.peak = [float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in groups]
         self._orig_class = type(scheduler)
         timer = self
@@ -215,13 +216,16 @@ class ScheduleTimer:
         """
         n = (self.owed + self.carry) // self.period
         self.owed = self.carry = 0
-        if n <= 0 or self._plateau or self.per_call:
-            return
+        if n > 0 and not (self._plateau or self.per_call):
+            self._advance(n)
+
+    def _advance(self, n: int, *args: Any, **kwargs: Any) -> None:
+        """Step the scheduler ``n`` times on its own values, then write them times the coupling."""
         groups = self.optimizer.param_groups
         for g, lr in zip(groups, self.scheduled):
             g["lr"] = _set(g["lr"], lr)
         for _ in range(n):
-            self._orig_class.step(self.scheduler)
+            self._orig_class.step(self.scheduler, *args, **kwargs)
         self.scheduled = [float(g["lr"]) for g in groups]
         self._write()
 
@@ -232,15 +236,11 @@ class ScheduleTimer:
 
     # ------------------------------------------------------------------ the patched step
     def _step(self, *args: Any, **kwargs: Any) -> None:
-        groups = self.optimizer.param_groups
-        for g, lr in zip(groups, self.scheduled):
-            g["lr"] = _set(g["lr"], lr)
         if self._plateau or self.per_call:
             # metric-driven or epoch-sized, not step-sized: one call, no re-timing
-            self._orig_class.step(self.scheduler, *args, **kwargs)
+            self._advance(1, *args, **kwargs)
         else:
             if self.owed <= 0:
-                self._write()
                 raise RuntimeError(
                     f"{self.owner}: lr_scheduler.step() was called twice for one optimizer step (or before "
                     "the tracker measured the step). The scheduler given to the tracker is advanced by "
@@ -249,10 +249,7 @@ class ScheduleTimer:
                 )
             n, self.carry = divmod(self.owed + self.carry, self.period)
             self.owed = 0
-            for _ in range(n):
-                self._orig_class.step(self.scheduler, *args, **kwargs)
-        self.scheduled = [float(g["lr"]) for g in groups]
-        self._write()
+            self._advance(n, *args, **kwargs)
 
     def _write(self) -> None:
         for i, g in enumerate(self.optimizer.param_groups):
