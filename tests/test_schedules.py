@@ -191,8 +191,10 @@ def test_a_budget_caps_the_coupled_lr_at_its_peak_unless_told_not_to(cap, capped
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     ctrl = BatchSizeController(budget_tokens=6_000, max_accumulation_steps=16)
     kwargs = {} if cap is None else {"cap_lr_at_peak": cap}
-    with pytest.warns(UserWarning, match="budget_tokens") if cap is False else _no_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         tracker = CBSTracker(model, opt, accumulation_steps=A0, unit="tokens", controller=ctrl, **kwargs)
+    assert sum("budget_tokens" in str(w.message) for w in caught) == (1 if cap is False else 0)
     g = torch.Generator().manual_seed(0)
     seen = []
     while tracker.session.units_seen < 6_000:
@@ -208,19 +210,6 @@ def test_a_budget_caps_the_coupled_lr_at_its_peak_unless_told_not_to(cap, capped
     for acc, lr in seen:
         expected = 0.1 if capped else 0.1 * math.sqrt(acc / A0)
         assert lr == pytest.approx(expected, rel=1e-9), (acc, lr)
-
-
-class _no_warning:
-    """Fails if a UserWarning is raised inside the block."""
-
-    def __enter__(self):
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.simplefilter("error", UserWarning)
-
-    def __exit__(self, *exc):
-        self._catch.__exit__(*exc)
-        return False
 
 
 def test_token_schedule_shapes():
