@@ -475,6 +475,8 @@ def test_state_dict_has_fixed_plain_keys():
     for key, value in state.items():
         if key == "recent_noise_scales":
             assert all(isinstance(v, float) for v in value)
+        elif key == "kappa_points":
+            assert value == []  # a constant kappa saves no points
         else:
             assert isinstance(value, (int, float)) and not isinstance(value, bool), key
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from cbs_tracker.policy._state import StateReader
 from cbs_tracker.policy.conversion import LRDecayConversion
 from cbs_tracker.policy.guard import FeedbackGuard
+from cbs_tracker.policy.kappa import KappaSchedule
 from cbs_tracker.policy.level import BatchLevel
 from cbs_tracker.policy.plan import BudgetPlan
 from cbs_tracker.policy.rules import GrowthRules
@@ -115,7 +116,11 @@ class BatchSizeController:
     Args:
         kappa: the target batch is ``kappa * B_simple`` (``B_simple`` approximates the
             critical batch ``B_noise``, where a run needs about twice the minimal data;
-            at a fixed budget the loss-optimal batch sits below it). Default 0.5.
+            at a fixed budget the loss-optimal batch sits below it). Default 0.5, chosen
+            on one small GPT. A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
+            list of ``(tokens, kappa)`` pairs) gives a *measured* ``kappa`` that moves with
+            the units seen, as a branched calibration reports it
+            (:meth:`cbs_tracker.calibrate.Calibration.kappa_schedule`).
         min_batch: lower clip of the critical batch and lowest batch a shrink may reach.
             ``None``: no lower bound.
         max_batch: upper clip of the critical batch and largest batch a doubling may
@@ -180,7 +185,7 @@ class BatchSizeController:
     def __init__(
         self,
         *,
-        kappa: float = 0.5,
+        kappa: float | KappaSchedule | list[tuple[float, float]] = 0.5,
         min_batch: float | None = None,
         max_batch: float | None = None,
         margin: float = 0.1,
@@ -204,7 +209,9 @@ class BatchSizeController:
         convert_lr_decay: bool = False,
         conversion_kappa: float = 1.0,
     ) -> None:
-        _check_number("kappa", kappa)
+        self._kappa_schedule = self._check_kappa(kappa)
+        self._kappa_now = (float(kappa) if self._kappa_schedule is None  # type: ignore[arg-type]
+                           else self._kappa_schedule.value_at(0.0))
         _check_number("conversion_kappa", conversion_kappa)
         _check_number("min_batch", min_batch, allow_none=True)
         _check_number("max_batch", max_batch, allow_none=True)
@@ -253,7 +260,6 @@ class BatchSizeController:
                 f"BatchSizeController(feedback_ratio={feedback_ratio!r}): must be > 1 "
                 "(1 means the noise scale did not follow the batch at all)"
             )
-        self.kappa = float(kappa)
         self.min_batch = None if min_batch is None else float(min_batch)
         self.max_batch = None if max_batch is None else float(max_batch)
         self.margin = float(margin)
@@ -282,6 +288,47 @@ class BatchSizeController:
         self._plan = BudgetPlan(self)
         self._conversion = LRDecayConversion()
 
+    # ------------------------------------------------------------------ kappa
+    @staticmethod
+    def _check_kappa(kappa: Any) -> KappaSchedule | None:
+        if isinstance(kappa, KappaSchedule):
+            return KappaSchedule(kappa.points)  # a copy: points added here do not reach the caller's
+        if isinstance(kappa, (list, tuple)):
+            try:
+                return KappaSchedule(kappa)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"BatchSizeController(kappa={kappa!r}): {exc}") from None
+        if isinstance(kappa, bool) or not isinstance(kappa, (int, float)):
+            raise TypeError(f"BatchSizeController(kappa={kappa!r}): expected a number, a KappaSchedule or a "
+                            "list of (tokens, kappa) pairs")
+        _check_number("kappa", kappa)
+        return None
+
+    @property
+    def kappa(self) -> float:
+        """``kappa`` in force: the constant, or the measured schedule's value at the last update's units."""
+        return self._kappa_now
+
+    @property
+    def kappa_schedule(self) -> KappaSchedule | None:
+        """The measured ``kappa`` (``None`` while ``kappa`` is a constant)."""
+        return self._kappa_schedule
+
+    def set_kappa(self, kappa: float | KappaSchedule | list[tuple[float, float]]) -> None:
+        """Replace ``kappa`` (a constant or a measured schedule); it takes effect at the next update."""
+        self._kappa_schedule = self._check_kappa(kappa)
+        self._kappa_now = (float(kappa) if self._kappa_schedule is None  # type: ignore[arg-type]
+                           else self._kappa_schedule.value_at(self._level.last_tokens))
+
+    def add_kappa_point(self, tokens: float, kappa: float) -> None:
+        """Add one measured ``kappa`` (a calibration during the run): from ``tokens`` on, the
+        controller follows the measured points instead of the constant."""
+        if self._kappa_schedule is None:
+            self._kappa_schedule = KappaSchedule([(tokens, kappa)])
+        else:
+            self._kappa_schedule.add(tokens, kappa)
+        self._kappa_now = self._kappa_schedule.value_at(max(self._level.last_tokens, float(tokens)))
+
     # ------------------------------------------------------------------ state
     def _parts(self) -> tuple[Any, ...]:
         return (self._level, self._rules, self._guard, self._plan, self._conversion)
@@ -296,6 +343,8 @@ class BatchSizeController:
         state: dict[str, Any] = {"version": self.STATE_VERSION}
         for part in self._parts():
             state.update(part.state_dict())
+        # a measured kappa is state (a calibration during the run added it), not configuration
+        state["kappa_points"] = [] if self._kappa_schedule is None else self._kappa_schedule.state_dict()
         return state
 
     # the level's and the rules' state and the guard's state flag (its other keys and those of
@@ -328,8 +377,18 @@ class BatchSizeController:
         if version != self.STATE_VERSION:
             raise ValueError(f"{owner}: state['version']={version!r}: expected {self.STATE_VERSION}")
         parsed = [part.parse_state(read) for part in self._parts()]
+        points = state.get("kappa_points")
+        schedule = None
+        if points:  # [] (or absent): kappa stays as configured
+            try:
+                schedule = KappaSchedule(points)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{owner}: state['kappa_points']={points!r}: {exc}") from None
         for part, values in zip(self._parts(), parsed, strict=True):
             part.assign(values)
+        if schedule is not None:
+            self._kappa_schedule = schedule
+            self._kappa_now = schedule.value_at(self._level.last_tokens)
 
     # ------------------------------------------------------------ properties
     @property
@@ -424,6 +483,8 @@ class BatchSizeController:
         if not self._level.started:
             self._check_start(global_batch, accumulation_steps)
             self._plan.anchor = float(global_batch)
+        if self._kappa_schedule is not None:
+            self._kappa_now = self._kappa_schedule.value_at(float(tokens_seen))
         if self._level.observe(step, float(tokens_seen), global_batch, accumulation_steps):
             self._rules.reset()  # the change decided earlier is in force from this step on
             self._guard.new_level()
