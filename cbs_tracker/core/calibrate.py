@@ -393,6 +393,20 @@ def _check(name: str, value: Any, *, positive: bool = True, integer: bool = Fals
         raise ValueError(f"{_OWNER}({name}={value!r}): must be finite and {'> 0' if positive else '>= 0'}")
 
 
+def _tracker_batch(tracker: Any) -> float | None:
+    """The global batch of the tracker's next window: the last step's, scaled by a change decided at it."""
+    rec = getattr(tracker, "last_record", None)
+    if rec is None:
+        return getattr(tracker, "global_batch_size", None)
+    now = getattr(tracker, "accumulation_steps", rec.accumulation_steps)
+    if now == rec.accumulation_steps:
+        return rec.global_batch
+    if getattr(tracker, "microbatch_batches", 1) != 1:
+        raise ValueError(f"{_OWNER}(batch=None): the tracker's layout changed at the last step (microbatch "
+                         "first); pass batch= (the global batch of the next window)")
+    return rec.global_batch * now / rec.accumulation_steps
+
+
 def measure_critical_batch(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -440,7 +454,8 @@ def measure_critical_batch(
         evaluate: ``evaluate(model)``: the loss on one fixed held-out set (a float).
         microbatch_size: units (tokens or samples) in one microbatch of ``data``.
         branch_tokens: units each branch trains on (rounded down to a multiple of the largest batch).
-        batch: the run's global batch (``k = 1``). Default: the tracker's.
+        batch: the run's global batch (``k = 1``). Default: the tracker's next window's (the last
+            step's, scaled by a doubling decided at it).
         tokens: units the run has seen (the branch point). Default: the tracker's, else 0.
         tracker: a :class:`~cbs_tracker.CBSTracker` (or any object with ``global_batch_size``,
             ``tokens_seen``, ``noise_scale``, ``noise_scale_interval``): read, never changed.
@@ -471,7 +486,7 @@ def measure_critical_batch(
     """
     started = time.perf_counter()
     if tracker is not None:
-        batch = tracker.global_batch_size if batch is None else batch
+        batch = _tracker_batch(tracker) if batch is None else batch
         tokens = tracker.tokens_seen if tokens is None else tokens
         if lr_coupling in (None, "auto"):
             session = getattr(tracker, "session", None)
