@@ -15,12 +15,13 @@ COMMANDS: dict[str, str] = {
     "plot": "draw noise scale, critical batch and global batch against tokens from TensorBoard logs",
     "plan": "print the power-of-two doubling plan of the optimal schedule for a token budget",
     "nqm": "compare batch schedules on the noisy quadratic model",
+    "calibrate": "measure the demo GPT's critical batch by short branches, and kappa = critical batch / B_simple",
 }
 
 
 def _usage() -> str:
     lines = ["usage: cbs-tracker COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<6} {text}" for name, text in COMMANDS.items()]
+    lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
     lines += ["", "Run `cbs-tracker COMMAND --help` for a command's options."]
     return "\n".join(lines)
 

@@ -20,6 +20,8 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
   (``max_microbatch``), for the wall-clock comparison; ``tracker_mbfirst_auto`` the same
   measuring at ``measure_every="auto"`` (the tracker's own work kept near 1% of a step);
 * ``tracker_kappa04`` (cosine and WSD): the default controller at ``kappa=0.4``;
+* ``tracker_measured`` (cosine): the default controller with the ``kappa`` measured by branches
+  (``examples/calibrate_proof.py``; the file ``MEASURED_KAPPA``), interpolated in log tokens;
 * ``constant_512_fast`` (cosine): constant 512 at its fastest layout on one process, one
   512-token microbatch per step, without the tracker (no noise scale is measurable there).
 
@@ -47,7 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
 
 SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
-             "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04")
+             "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04", "tracker_measured")
+#: the kappa of ``tracker_measured`` runs: a calibration of the proof setting by branches
+MEASURED_KAPPA = Path(__file__).resolve().parents[1] / "docs" / "calibration_full_seed0.json"
 #: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
 MBFIRST_MAX_SEQUENCES = 16
 BASELINE_TOKENS = 512
@@ -96,7 +100,15 @@ def plan(setting: base.Setting) -> list[Run]:
     runs += [Run("constant_fast", seed, "cosine") for seed in setting.seeds]  # constant 512, one microbatch
     # the default controller at kappa = 0.4 instead of 0.5 (a retuning experiment)
     runs += [Run("tracker_kappa04", seed, s) for seed in setting.seeds for s in ("cosine", "wsd")]
+    # the default controller with kappa measured by branches from the constant 512 run of seed 0
+    runs += [Run("tracker_measured", seed, "cosine") for seed in setting.seeds]
     return runs
+
+
+def measured_kappa(path: Path = MEASURED_KAPPA) -> list[tuple[float, float]]:
+    """``(tokens, kappa)`` of a calibration file written by ``examples/calibrate_proof.py``."""
+    points = json.loads(path.read_text())["points"]
+    return [(p["tokens"], p["kappa"]) for p in points if p["kappa"] is not None]
 
 
 def make_controller(run: Run, setting: base.Setting) -> Any:
@@ -115,6 +127,8 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController(budget_tokens=setting.budget_tokens)
     if run.schedule == "tracker_kappa04":
         return BatchSizeController(kappa=0.4)
+    if run.schedule == "tracker_measured":
+        return BatchSizeController(kappa=measured_kappa())
     raise ValueError(f"unknown schedule {run.schedule!r}; expected one of {SCHEDULES}")
 
 
@@ -403,7 +417,8 @@ def draw(results: dict[str, dict[str, Any]], path: Path) -> None:
     colors = {"constant": "black", "tracker_default": "tab:blue", "tracker_convert": "tab:red",
               "tracker_convert_kappa1": "tab:orange", "tracker_budget": "tab:green", "tracker_mbfirst": "tab:purple",
               "tracker_mbfirst_auto": "tab:pink",
-              "constant_fast": "gray", "tracker_kappa04": "tab:brown"}
+              "constant_fast": "gray", "tracker_kappa04": "tab:brown",
+              "tracker_measured": "tab:olive"}
     for col, lr_schedule in enumerate(("cosine", "wsd")):
         for r in results.values():
             if r["lr_schedule"] != lr_schedule or r["seed"] != 0 or "evals" not in r:
