@@ -31,6 +31,10 @@ _EXPORTS: dict[str, str] = {
     "CBSDataLoader": "cbs_tracker.integrations.lightning",
     "CBSTrainer": "cbs_tracker.integrations.transformers",
     "label_tokens": "cbs_tracker.core.units",
+    "measure_critical_batch": "cbs_tracker.core.calibrate",
+    "Calibration": "cbs_tracker.core.calibrate",
+    "CalibrationPoint": "cbs_tracker.core.calibrate",
+    "KappaSchedule": "cbs_tracker.policy.kappa",
     "leading_dim": "cbs_tracker.core.units",
 }
 

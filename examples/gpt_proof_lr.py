@@ -39,9 +39,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from collections.abc import Generator, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

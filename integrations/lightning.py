@@ -29,6 +29,7 @@ from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
+from cbs_tracker.core.calibrate import CalibrateAt
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.loop import group_cap, join_batches, leading_rows, microbatch_layout
@@ -39,7 +40,7 @@ from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_ste
 from cbs_tracker.core.units import BatchSizeFn, label_tokens, leading_dim
 from cbs_tracker.policy.lr import COUPLINGS, ScheduleTimer
 
-__all__ = ["CBSCallback", "CBSDataLoader", "label_tokens", "leading_dim"]
+__all__ = ["CBSCalibration", "CBSCallback", "CBSDataLoader", "label_tokens", "leading_dim"]
 
 
 class CBSCallback(Callback):
@@ -799,3 +800,45 @@ class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             index += 1
             if layout is not None:
                 in_window = (in_window + 1) % layout[1]
+
+
+class CBSCalibration(Callback):
+    """Measure the critical batch by branches at token marks during ``fit``, and hand ``kappa`` to the controller.
+
+    At the first optimizer step at or after each mark it runs
+    :func:`cbs_tracker.measure_critical_batch` on deep copies of the module and the first
+    optimizer (the run itself is untouched) and, with ``apply=True``, gives the measured
+    ``kappa`` to ``cbs.controller``. Place it after the :class:`CBSCallback`.
+
+    Args:
+        cbs: the run's :class:`CBSCallback` (read for the batch, tokens, noise scale, coupling).
+        marks: units seen at which to calibrate.
+        apply: give each point's ``kappa`` to the controller (default ``True``).
+        **measure: the arguments of :func:`~cbs_tracker.measure_critical_batch`: ``loss_fn(module,
+            batch)``, ``data(replicate)`` (a loader of its own, not the Trainer's), ``evaluate(module)``,
+            ``microbatch_size``, ``branch_tokens`` and the optional ones.
+
+    Branches run on each rank alike, without communication; the measurement is tested on one process.
+    """
+
+    def __init__(self, cbs: CBSCallback, marks: list[float], *, apply: bool = True, **measure: Any) -> None:
+        if not isinstance(cbs, CBSCallback):
+            raise TypeError(f"CBSCalibration(cbs={cbs!r}): expected the run's CBSCallback")
+        self.cbs = cbs
+        self._at = CalibrateAt(marks, apply=apply, **measure)
+        self._steps = 0
+
+    @property
+    def calibration(self) -> Any:
+        """The :class:`~cbs_tracker.core.calibrate.Calibration` so far."""
+        return self._at.calibration
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.cbs.steps == self._steps:
+            return  # inside a window: no optimizer step since the last call
+        self._steps = self.cbs.steps
+        point = self._at.after_step(pl_module, trainer.optimizers[0], self.cbs)
+        if point is not None:
+            rank_zero_info(f"CBSCalibration at {point.tokens:,.0f} {self.cbs.unit}: critical batch "
+                           f"[{point.critical.low:,.0f}, {point.critical.high:,.0f}), kappa {point.kappa}")

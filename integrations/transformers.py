@@ -16,10 +16,11 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
+from cbs_tracker.core.calibrate import CalibrateAt
 from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import loss_scale, reduce_window
@@ -29,7 +30,7 @@ from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_ste
 from cbs_tracker.core.units import BatchSizeFn, leading_dim
 from cbs_tracker.policy.lr import COUPLINGS
 
-__all__ = ["CBSTrainer", "STATE_FILE"]
+__all__ = ["CBSCalibration", "CBSTrainer", "STATE_FILE"]
 
 #: file the tracker's state is written to in every Trainer checkpoint folder
 STATE_FILE = "cbs_tracker.json"
@@ -519,3 +520,35 @@ class CBSTrainer(Trainer):
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, STATE_FILE), "w") as f:
             json.dump(state, f, allow_nan=True)
+
+
+class CBSCalibration(TrainerCallback):
+    """Measure the critical batch by branches at token marks during ``train``, and hand ``kappa`` to the controller.
+
+    ``trainer.add_callback(CBSCalibration(trainer, marks=[...], loss_fn=..., data=..., evaluate=...,
+    microbatch_size=..., branch_tokens=...))``. After the first optimizer step at or after each
+    mark it runs :func:`cbs_tracker.measure_critical_batch` on deep copies of the model and the
+    optimizer (the run itself is untouched) and, with ``apply=True``, gives the measured ``kappa``
+    to the trainer's controller.
+
+    Args:
+        trainer: the :class:`CBSTrainer`.
+        marks: units seen at which to calibrate.
+        apply: give each point's ``kappa`` to the controller (default ``True``).
+        **measure: the arguments of :func:`~cbs_tracker.measure_critical_batch` (``loss_fn(model,
+            batch)``, ``data(replicate)``, ``evaluate(model)``, ``microbatch_size``, ``branch_tokens``, ...).
+    """
+
+    def __init__(self, trainer: CBSTrainer, marks: list[float], *, apply: bool = True, **measure: Any) -> None:
+        if not isinstance(trainer, CBSTrainer):
+            raise TypeError(f"CBSCalibration(trainer={trainer!r}): expected the CBSTrainer")
+        self.trainer = trainer
+        self._at = CalibrateAt(marks, apply=apply, **measure)
+
+    @property
+    def calibration(self) -> Any:
+        """The :class:`~cbs_tracker.core.calibrate.Calibration` so far."""
+        return self._at.calibration
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._at.after_step(self.trainer.model, self.trainer.optimizer, self.trainer)

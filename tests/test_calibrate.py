@@ -3,6 +3,7 @@ construction (noisy quadratic model), and a run that continues bit for bit after
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -231,3 +232,21 @@ def test_bad_arguments_are_refused(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         measure_critical_batch(model, torch.optim.SGD(model.parameters(), lr=0.1), **args)
+
+
+def test_cli_calibrate_prints_the_table_and_draws_the_branches(tmp_path, capsys):
+    from cbs_tracker.cli import main
+
+    assert main(["calibrate", "--quick", "--out", str(tmp_path), "--marks", "4096,8192"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("critical batch"):]
+    rows = [line.split() for line in table.splitlines()[1:3]]
+    assert [r[0] for r in rows] == ["4,096", "8,192"]  # one row per mark, the tokens first
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    for row, point in zip(rows, saved):
+        low = f"[{point['critical']['low']:,.0f},"
+        assert row[2] == low and f"{point['kappa']:.2f}" in row  # the interval and kappa printed as measured
+        assert point["kappa"] == pytest.approx(point["critical"]["low"] / point["noise_scale"])
+    png = (tmp_path / "calibration.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "BatchSizeController(kappa=[(4096" in out

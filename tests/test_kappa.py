@@ -192,3 +192,86 @@ def test_cbstrainer_follows_a_measured_kappa(tmp_path):
     assert seen["constant"][0] == doubling_by_hand(seen["constant"][1], lambda t: 0.5)
     assert seen["measured"][0] == doubling_by_hand(seen["measured"][1], SCHEDULE.value_at) is not None
     assert seen["measured"][0] != seen["constant"][0]
+
+
+# ---------------------------------------------------------------------------- calibration during fit / train
+def _branch_kwargs(loss_fn, column: bool):
+    """Branch data of their own and a held-out set for the regression (labels as a column for Lightning's)."""
+    from tests.hf_workers import regression_data
+
+    def pair(d, i, j):
+        return d.x[i:j], d.y[i:j, None] if column else d.y[i:j]
+
+    held = regression_data(256, seed=99)
+
+    def data(r):
+        d = regression_data(256, seed=100 + r)
+        return (pair(d, i, i + 2) for i in range(0, 256, 2))
+
+    return dict(loss_fn=loss_fn, data=data, microbatch_size=2, branch_tokens=32, multiples=(1, 2, 4),
+                evaluate=lambda m: float(loss_fn(m, pair(held, 0, 256)).detach()), frozen_microbatches=8)
+
+
+def test_lightning_calibrates_at_a_mark_during_fit_without_touching_the_run(tmp_path):
+    from cbs_tracker.integrations.lightning import CBSCalibration
+
+    from cbs_tracker import CBSCallback
+    from tests.lightning_workers import Recorder, Regression, regression_data
+    from tests.test_lightning import loader, make_trainer
+
+    def lit(m, batch):
+        return m.loss(batch)
+
+    def fit(calibrate: str | None):
+        cb = CBSCallback(controller=controller(0.5), estimator=NoIntervalEstimator(horizon_steps=5, min_steps=3),
+                         unit="samples")
+        rec = Recorder(cb)
+        extra = [] if calibrate is None else [CBSCalibration(cb, [40], apply=calibrate == "apply",
+                                                             **_branch_kwargs(lit, column=True))]
+        torch.manual_seed(0)
+        make_trainer(max_steps=20, accumulate_grad_batches=2, callbacks=[cb, rec, *extra]).fit(
+            Regression(lr=0.05), loader(regression_data(512), 2))
+        return cb, [r["record"] for r in rec.rows], extra
+
+    _, plain, _ = fit(None)
+    cb, observed, (cal,) = fit("observe")
+    assert observed == plain  # every record, step for step: the branches never touched the run
+    (point,) = cal.calibration.points
+    at = next(r for r in plain if r["tokens_seen"] >= 40)  # the first step boundary at or after the mark
+    assert point.tokens == at["tokens_seen"] and point.noise_scale == at["noise_scale"]
+    assert cb.controller.kappa_schedule is None  # apply=False
+    cb, applied, (cal,) = fit("apply")
+    point = cal.calibration.points[0]
+    assert cb.controller.kappa_schedule == KappaSchedule([(point.tokens, point.kappa)])
+
+
+def test_cbstrainer_calibrates_at_a_mark_during_train_without_touching_the_run(tmp_path):
+    from cbs_tracker.integrations.transformers import CBSCalibration
+
+    from tests.hf_workers import Regression, regression_data, training_args
+    from tests.test_transformers import make
+
+    def hf(m, batch):
+        return m.loss(*batch)
+
+    def train(name: str, calibrate: str | None):
+        trainer, rec = make(Regression(seed=0), training_args(str(tmp_path / name), max_steps=20),
+                            regression_data(512), unit="samples", controller=controller(0.5),
+                            estimator=NoIntervalEstimator(horizon_steps=5, min_steps=3))
+        cal = None
+        if calibrate is not None:
+            cal = CBSCalibration(trainer, [40], apply=calibrate == "apply", **_branch_kwargs(hf, column=False))
+            trainer.add_callback(cal)
+        trainer.train()
+        return trainer, rec.rows, cal
+
+    _, plain, _ = train("plain", None)
+    trainer, observed, cal = train("observe", "observe")
+    assert observed == plain
+    (point,) = cal.calibration.points
+    at = next(r for r in plain if r.tokens_seen >= 40)
+    assert point.tokens == at.tokens_seen and point.noise_scale == at.noise_scale
+    assert trainer.controller.kappa_schedule is None
+    trainer, _, cal = train("apply", "apply")
+    point = cal.calibration.points[0]
+    assert trainer.controller.kappa_schedule == KappaSchedule([(point.tokens, point.kappa)])

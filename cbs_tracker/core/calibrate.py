@@ -29,7 +29,7 @@ from cbs_tracker.policy.critical import BranchLosses, CriticalBatchInterval, cri
 from cbs_tracker.policy.kappa import KappaSchedule
 from cbs_tracker.policy.lr import coupling_factor, resolve_coupling
 
-__all__ = ["Calibration", "CalibrationPoint", "FrozenNoiseScale", "frozen_noise_scale", "measure_critical_batch"]
+__all__ = ["CalibrateAt", "Calibration", "CalibrationPoint", "FrozenNoiseScale", "frozen_noise_scale", "measure_critical_batch"]
 
 DEFAULT_MULTIPLES = (0.5, 1.0, 2.0, 4.0, 8.0)
 _OWNER = "measure_critical_batch"
@@ -394,17 +394,74 @@ def _check(name: str, value: Any, *, positive: bool = True, integer: bool = Fals
 
 
 def _tracker_batch(tracker: Any) -> float | None:
-    """The global batch of the tracker's next window: the last step's, scaled by a change decided at it."""
+    """The global batch of the tracker's next window: the last step's microbatch size times the
+    accumulation in force (a doubling decided at the last step included) times the ranks."""
     rec = getattr(tracker, "last_record", None)
     if rec is None:
-        return getattr(tracker, "global_batch_size", None)
-    now = getattr(tracker, "accumulation_steps", rec.accumulation_steps)
-    if now == rec.accumulation_steps:
+        return None
+    session = getattr(tracker, "session", None)
+    if hasattr(tracker, "microbatch_batches"):  # the plain loop: its next window's microbatches
+        nxt = tracker.accumulation_steps
+        if nxt != rec.accumulation_steps and tracker.microbatch_batches != 1:
+            raise ValueError(f"{_OWNER}(batch=None): the tracker's layout changed at the last step "
+                             "(microbatch first); pass batch= (the global batch of the next window)")
+    elif session is not None:  # Lightning, CBSTrainer: the session's level (a pending change first)
+        pending = getattr(session, "pending_accumulation", None)
+        nxt = pending if pending is not None else session.accumulation_steps
+    else:
         return rec.global_batch
-    if getattr(tracker, "microbatch_batches", 1) != 1:
-        raise ValueError(f"{_OWNER}(batch=None): the tracker's layout changed at the last step (microbatch "
-                         "first); pass batch= (the global batch of the next window)")
-    return rec.global_batch * now / rec.accumulation_steps
+    if nxt == rec.accumulation_steps:
+        return rec.global_batch
+    return rec.micro_batch * nxt * rec.dp_degree
+
+
+class CalibrateAt:
+    """Calibrate at token marks during a run (the framework callbacks' engine).
+
+    Args:
+        marks: units seen at which to calibrate (each at the first step boundary at or after it).
+        apply: give each point's ``kappa`` to the tracker's controller.
+        **measure: the arguments of :func:`measure_critical_batch` (``loss_fn``, ``data``,
+            ``evaluate``, ``microbatch_size``, ``branch_tokens``, ...).
+    """
+
+    def __init__(self, marks: Sequence[float], *, apply: bool = True, **measure: Any) -> None:
+        try:
+            self.marks = sorted(float(m) for m in marks)
+        except (TypeError, ValueError):
+            raise TypeError(f"calibrate marks={marks!r}: expected a sequence of token counts") from None
+        if not self.marks or any(not (math.isfinite(m) and m >= 0) for m in self.marks):
+            raise ValueError(f"calibrate marks={marks!r}: expected one or more finite token counts >= 0")
+        for key in ("loss_fn", "data", "evaluate", "microbatch_size", "branch_tokens"):
+            if key not in measure:
+                raise TypeError(f"calibrate: missing the measure_critical_batch argument {key!r}")
+        self.apply = bool(apply)
+        self.measure = measure
+        self.calibration = Calibration()
+        self._last_tokens: float | None = None
+
+    def after_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: Any) -> CalibrationPoint | None:
+        """Call after each optimizer step: calibrates when this step passed the next mark.
+
+        A mark passed before the first call (a resumed run) is skipped, not measured late.
+        """
+        rec = getattr(tracker, "last_record", None)
+        if rec is None:
+            return None
+        tokens = float(tracker.tokens_seen)
+        before = tokens - rec.global_batch if self._last_tokens is None else self._last_tokens
+        self._last_tokens = tokens
+        while self.marks and self.marks[0] <= before:
+            self.marks.pop(0)
+        if not self.marks or tokens < self.marks[0]:
+            return None
+        while self.marks and tokens >= self.marks[0]:
+            self.marks.pop(0)
+        point = measure_critical_batch(model, optimizer, tracker=tracker, **self.measure)
+        self.calibration.points.append(point)
+        if self.apply and point.kappa is not None and getattr(tracker, "controller", None) is not None:
+            point.apply_to(tracker.controller)
+        return point
 
 
 def measure_critical_batch(
@@ -485,6 +542,9 @@ def measure_critical_batch(
             batch is not a whole number of microbatches, data that ran out.
     """
     started = time.perf_counter()
+    inner = getattr(optimizer, "optimizer", None)  # Accelerate's wrapper: the optimizer it steps
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
     if tracker is not None:
         batch = _tracker_batch(tracker) if batch is None else batch
         tokens = tracker.tokens_seen if tokens is None else tokens
@@ -588,7 +648,7 @@ def measure_critical_batch(
     ns = lo = hi = None
     if tracker is not None:
         ns = tracker.noise_scale
-        iv = tracker.noise_scale_interval
+        iv = getattr(tracker, "noise_scale_interval", None)
         if iv is not None:
             lo, hi = iv
     return CalibrationPoint(

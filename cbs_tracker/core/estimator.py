@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from cbs_tracker.core.intervals import INTERVAL_CONFIDENCE, fieller_interval
 from cbs_tracker.core.intervals import Z as _Z
+from cbs_tracker.core.intervals import fieller_interval
 from cbs_tracker.core.intervals import student_quantile as _student_quantile
 from cbs_tracker.core.window import DriftWindow
 
