@@ -35,6 +35,36 @@ CHECKPOINTS = {"full": (250_000, 500_000, 1_000_000, 2_000_000), "deep": (250_00
 BRANCH_TOKENS = {"full": 262_144, "deep": 262_144, "quick": 4096}
 
 
+def _num(x: float | None, spec: str = ",.0f") -> str:
+    return "" if x is None else format(x, spec)
+
+
+def markdown_table(saved: dict) -> str:
+    """The calibration file's points as the table of ``docs/results.md``."""
+    lines = [f"| {saved['setting']} setting: tokens | critical batch | losses 1/2·B … 8·B (± s.e.) | control | "
+             "B_simple (tracker) | frozen | preconditioned | κ | κ frozen | κ precond. | branch tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in saved["points"]:
+        c = p["critical"]
+        crit = f"[{c['low']:,.0f}, {'∞' if c['high'] is None else format(c['high'], ',.0f')})"
+        if not c["resolved"]:
+            crit += " (unresolved)"
+        def mean_se(b: dict) -> str:
+            n = len(b["losses"])
+            m = sum(b["losses"]) / n
+            se = (sum((x - m) ** 2 for x in b["losses"]) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+            return f"{m:.3f}±{se:.3f}"
+        losses = " / ".join(mean_se(b) for b in p["branches"])
+        ctl = "" if p["control"] is None else mean_se(p["control"])
+        fz = p["frozen"] or {}
+        lines.append(
+            f"| {p['tokens']:,.0f} | {crit} | {losses} | {ctl} | {_num(p['noise_scale'])} | "
+            f"{_num(fz.get('noise_scale'))} | {_num(fz.get('preconditioned'))} | {_num(p['kappa'], '.2f')} | "
+            f"{_num(p['kappa_frozen'], '.2f')} | {_num(p['kappa_preconditioned'], '.2f')} | "
+            f"{p['total_branch_tokens']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setting", choices=sorted(SETTINGS), default="full")
@@ -43,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicates", type=int, default=2)
     p.add_argument("--branch-tokens", type=int, default=None)
     p.add_argument("--checkpoints", type=str, default=None, help="comma-separated token marks")
+    p.add_argument("--report", nargs="+", type=Path, default=None,
+                   help="run nothing: print the Markdown table of these calibration files")
     args = p.parse_args(argv)
+    if args.report:
+        for path in args.report:
+            print(markdown_table(json.loads(path.read_text())))
+        return 0
 
     import torch
 
