@@ -87,9 +87,11 @@ def controller(kappa) -> BatchSizeController:
 
 
 def doubling_by_hand(rows, kappa_at) -> int | None:
-    """The first step whose logged noise scale times kappa (at its tokens) reaches 2B (1 + margin)."""
-    for step, tokens, batch, noise_scale in rows:
-        if step >= WARMUP and noise_scale is not None and kappa_at(tokens) * noise_scale >= 2 * batch * (1 + MARGIN):
+    """The first step whose logged noise scale times its logged kappa reaches 2B (1 + margin); the
+    logged kappa must be ``kappa_at`` its tokens."""
+    for step, tokens, batch, noise_scale, kappa in rows:
+        assert kappa == pytest.approx(kappa_at(tokens), rel=1e-12), (step, tokens, kappa)
+        if step >= WARMUP and noise_scale is not None and kappa * noise_scale >= 2 * batch * (1 + MARGIN):
             return step
     return None
 
@@ -100,7 +102,7 @@ def doubling_seen(records) -> int | None:
 
 
 def rows_of(records):
-    return [(r.step, r.tokens_seen, r.global_batch, r.noise_scale) for r in records]
+    return [(r.step, r.tokens_seen, r.global_batch, r.noise_scale, r.kappa) for r in records]
 
 
 def _plain_run(calibrate_at: int | None):
@@ -146,7 +148,7 @@ def test_plain_loop_a_calibration_during_the_run_changes_when_the_batch_doubles(
     calibrated, point = _plain_run(calibrate_at=3)
     assert point.kappa is not None and point.kappa != 0.5
     hand_constant = doubling_by_hand(rows_of(constant), lambda t: 0.5)
-    hand_measured = doubling_by_hand(rows_of(calibrated), lambda t: 0.5 if t < point.tokens else point.kappa)
+    hand_measured = doubling_by_hand(rows_of(calibrated), lambda t: 0.5 if t <= point.tokens else point.kappa)
     assert doubling_seen(constant) == hand_constant
     # here the branches put the critical batch at 4 (8 is 0.024 nats worse), below B_simple (~14):
     # kappa ~0.28 holds the batch where kappa = 0.5 doubled it

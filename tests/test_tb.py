@@ -230,7 +230,7 @@ def test_design_doc_table_matches_tags():
         step=1, tokens_seen=1.0, unit="tokens", global_batch=1.0, micro_batch=1.0,
         accumulation_steps=1, dp_degree=1, grad_sq_norm=1.0, trace_cov=1.0, noise_scale=1.0,
         critical_batch=1.0, lr=1.0, step_grad_sq_norm=1.0, step_trace_cov=1.0,
-        noise_scale_low=1.0, noise_scale_high=1.0, scheduled_lr=1.0, lr_coupling=1.0, lr_conversions=0,
+        noise_scale_low=1.0, noise_scale_high=1.0, scheduled_lr=1.0, lr_coupling=1.0, lr_conversions=0, kappa=0.5,
     )
     written = set(record_scalars(full)) | set(schedule_scalars(full))
     assert written == {t.tag.format(unit="tokens") for t in TAGS}

@@ -51,6 +51,9 @@ class StepRecord:
             pass; its units, the counters and the schedule still count it).
         lr_conversions: doublings made so far in place of a halving of the scheduled
             learning rate (the controller's ``convert_lr_decay`` mode; 0 otherwise).
+        kappa: the controller's ``kappa`` in force at this step (its constant, or the value
+            of a measured :class:`~cbs_tracker.policy.kappa.KappaSchedule`; ``None`` without
+            a controller).
     """
 
     step: int
@@ -75,3 +78,4 @@ class StepRecord:
     lr_coupling: float | None = None
     lr_conversions: int | None = None
     measured: bool = True
+    kappa: float | None = None

@@ -328,6 +328,7 @@ class TrackingSession:
             step_trace_cov=None if step_est is None else step_est.trace_cov,
             dropped=not stats.finite,
             measured=measured,
+            kappa=getattr(self.controller, "kappa", None),
             next_accumulation_steps=(
                 self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
             ),

@@ -39,6 +39,7 @@ TAGS: tuple[TagSpec, ...] = (
     TagSpec("cbs/noise_scale_low", "noise_scale_low", "lower end of the 90% confidence interval of cbs/noise_scale"),
     TagSpec("cbs/noise_scale_high", "noise_scale_high", "upper end of the 90% confidence interval of cbs/noise_scale"),
     TagSpec("cbs/critical_batch", "critical_batch", "controller target kappa * B_simple, clipped, in {unit}"),
+    TagSpec("cbs/kappa", "kappa", "kappa in force: the constant or the measured critical batch / B_simple"),
     TagSpec("cbs/grad_sq_norm", "grad_sq_norm", "smoothed estimate of abs(G)^2"),
     TagSpec("cbs/trace_cov", "trace_cov", "smoothed estimate of tr(Sigma) (per-example covariance trace)"),
     TagSpec("cbs/step_grad_sq_norm", "step_grad_sq_norm", "this step's own unbiased abs(G)^2 estimate (noisy, may be < 0)"),
