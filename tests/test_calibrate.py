@@ -250,3 +250,23 @@ def test_cli_calibrate_prints_the_table_and_draws_the_branches(tmp_path, capsys)
     png = (tmp_path / "calibration.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "BatchSizeController(kappa=[(4096" in out
+
+
+@pytest.mark.parametrize("cap", [True, False])
+def test_branches_cap_the_coupled_lr_where_the_tracker_does(cap):
+    # 1-D quadratic without noise: theta <- theta (1 - lr), so each branch's end says its LR
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5)  # the run sits at half its peak, 0.05
+    tracker = CBSTracker(model, opt, accumulation_steps=2, unit="samples", lr_scheduler=sched, cap_lr_at_peak=cap)
+    point = measure_critical_batch(
+        model, opt, tracker=tracker, batch=2, tokens=0, loss_fn=lambda m, x: 0.5 * (m.weight ** 2).sum(),
+        data=lambda r: iter(lambda: torch.zeros(1, 1), None), evaluate=lambda m: float(m.weight.detach()),
+        microbatch_size=1, branch_tokens=8, multiples=(1, 4), replicates=1, frozen_microbatches=0, control=False)
+    one, four = point.branches
+    assert one.losses[0] == pytest.approx((1 - 0.05) ** 4)  # 4 steps of 2 samples at 0.05
+    # one step of 8 samples at 4 x 0.05 (linear coupling for SGD), capped at the peak 0.1 when the tracker caps
+    assert four.losses[0] == pytest.approx(1 - (0.1 if cap else 0.2))
+    assert float(model.weight) == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(0.05)

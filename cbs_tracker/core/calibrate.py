@@ -524,7 +524,8 @@ def measure_critical_batch(
         lr_coupling: ``"sqrt"``, ``"linear"``, ``"keep"``; ``None``/``"auto"``: from the optimizer
             (Adam-like: sqrt, SGD: linear), or the tracker's.
         lr_schedule: ``lr(units)``: the run's learning rate against units seen, before coupling.
-        max_lr: cap on group 0's coupled LR (the others keep their ratio to it).
+        max_lr: cap on group 0's coupled LR (the others keep their ratio to it). Default: none, or
+            the peak LR when the tracker caps the coupled LR at its peak (``cap_lr_at_peak``).
         clip_grad_norm: the run's gradient clipping (``None``: none).
         control: also run the run's batch at the largest branch's LR factor.
         fuse_microbatches: concatenate up to this many microbatches into one forward (faster on
@@ -592,6 +593,10 @@ def measure_critical_batch(
             raise ValueError(f"{_OWNER}: lr_schedule(tokens={tokens:g}) = {lr0!r}; the schedule must be > 0 "
                              "at the branch point")
     base_lrs = _group_lrs(optimizer)
+    session = getattr(tracker, "session", None)
+    if max_lr is None and getattr(session, "cap_lr_at_peak", False) and optimizer.param_groups:
+        group = optimizer.param_groups[0]  # the tracker caps the coupled LR at its peak: so do the branches
+        max_lr = float(group.get("max_lr", group.get("initial_lr", base_lrs[0])))
 
     def lr_factor_at(m: float, lr_mult: float) -> Callable[[int], float]:
         step_units = m * batch
