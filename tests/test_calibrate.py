@@ -224,6 +224,10 @@ def test_calibration_gives_kappa_to_the_controller_and_a_plan():
     (dict(epsilon=-1), ValueError, r"epsilon=-1\)"),
     (dict(frozen_microbatches=3), ValueError, r"frozen_microbatches=3\): 0 \(skip\) or >= 8"),
     (dict(lr_coupling="cubic"), ValueError, r"lr_coupling='cubic'"),
+    (dict(multiples=(1, 2, 3)), ValueError, r"multiples=\[1, 2, 3\]\): the largest batch is not a whole number of "
+                                            r"steps of \['2'\] x batch"),
+    (dict(multiples=(1, True)), TypeError, r"multiples=\(1, True\)\): expected a sequence of numbers"),
+    (dict(data=5), TypeError, r"data=5\): expected a callable"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     model = torch.nn.Linear(2, 1)
@@ -270,3 +274,115 @@ def test_branches_cap_the_coupled_lr_where_the_tracker_does(cap):
     # one step of 8 samples at 4 x 0.05 (linear coupling for SGD), capped at the peak 0.1 when the tracker caps
     assert four.losses[0] == pytest.approx(1 - (0.1 if cap else 0.2))
     assert float(model.weight) == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+class _Point(torch.nn.Module):
+    """loss(theta; x) = 1/2 |theta - x|^2 per sample: G = theta - E x, Sigma = Cov x."""
+
+    def __init__(self, theta) -> None:
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.tensor(theta, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * ((self.theta - x) ** 2).sum(1).mean()
+
+
+def test_a_doubling_decided_but_not_applied_runs_the_branches_at_the_next_windows_batch_and_lr():
+    from tests.doubles import PlanController
+
+    model = _Point([1.0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    tracker = CBSTracker(model, opt, accumulation_steps=2, unit="samples", controller=PlanController({1: 4}))
+    for _ in range(2):
+        with tracker.microbatch(1):
+            (model(torch.zeros(1, 1)) / 2).backward()
+    tracker.step()  # the plan doubles the accumulation here; the next window applies it (LR x 2, SGD)
+    opt.step()
+    opt.zero_grad()
+    theta = float(model.theta)
+    point = measure_critical_batch(
+        model, opt, tracker=tracker, loss_fn=lambda m, x: m(x), data=lambda r: iter(lambda: torch.zeros(1, 1), None),
+        evaluate=lambda m: float(m.theta.detach()), microbatch_size=1, branch_tokens=8, multiples=(1, 2),
+        replicates=1, frozen_microbatches=0, control=False)
+    assert point.batch == 4.0  # the next window's 4 samples, not the last one's 2
+    one, two = point.branches
+    assert one.losses[0] == pytest.approx(theta * (1 - 0.1) ** 2)  # two steps at the coupled LR 2 x 0.05
+    assert two.losses[0] == pytest.approx(theta * (1 - 0.2))  # one step of 8 at 2 x that
+    assert opt.param_groups[0]["lr"] == 0.05  # the run's own LR is applied by the run, not here
+
+
+def test_the_preconditioned_frozen_noise_scale_is_the_update_directions():
+    # theta = (1, 0.1), x ~ N(0, I): raw B = 2 / 1.01; Adam's P = diag(1, 10):
+    # tr(P Sigma P) / |P G|^2 = (1 + 100) / (1 + 1) = 50.5 (tr(P Sigma) / G^T P G would be 10)
+    model = _Point([1.0, 0.1])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.zeros(1, 2)).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.theta.copy_(torch.tensor([1.0, 0.1], dtype=torch.float64))
+        st = opt.state[model.theta]
+        st["exp_avg_sq"].copy_((1 - 0.999) / torch.tensor([1.0, 100.0], dtype=torch.float64))  # v_hat = 1 / p^2
+    gen = torch.Generator().manual_seed(3)
+    from cbs_tracker.core.calibrate import frozen_noise_scale
+
+    got = frozen_noise_scale(model, opt, loss_fn=lambda m, x: m(x), microbatch_size=64, count=4000, group=4,
+                             microbatches=iter(lambda: torch.randn(64, 2, generator=gen, dtype=torch.float64), None))
+    assert abs(got.noise_scale - 2 / 1.01) <= 4 * got.stderr and got.stderr < 0.2
+    assert abs(got.preconditioned - 50.5) <= 4 * got.preconditioned_stderr and got.preconditioned_stderr < 5
+
+
+class _Stub:
+    """The tracker interface CalibrateAt reads (no session: the batch is the last step's)."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.tokens_seen, self.last_record, self.noise_scale = 0.0, None, 1.0
+        self.controller = BatchSizeController()
+        self._rec = SimpleNamespace
+
+    def step(self, tokens: float) -> None:
+        self.tokens_seen = tokens
+        self.last_record = self._rec(global_batch=2.0, accumulation_steps=2)
+
+
+def test_calibrate_at_marks_a_mark_at_zero_several_in_one_step_and_skips_those_before_a_resume():
+    from cbs_tracker.core.calibrate import CalibrateAt
+
+    model = _Point([1.0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    kw = dict(loss_fn=lambda m, x: m(x), data=lambda r: iter(lambda: torch.zeros(1, 1), None),
+              evaluate=lambda m: float(m.theta.detach()), microbatch_size=1, branch_tokens=4, multiples=(1, 2),
+              replicates=1, frozen_microbatches=0, control=False)
+    at, run = CalibrateAt([0, 3, 5, 100], **kw), _Stub()
+    hits = []
+    for tokens in (2.0, 4.0, 6.0, 8.0):  # steps of 2: 0 is hit at the first step, 3 at 4, 5 at 6
+        run.step(tokens)
+        hits.append(at.after_step(model, opt, run) is not None)
+    assert hits == [True, True, True, False] and at.marks == [100.0]
+    assert at.calibration.points[0].tokens == 2.0
+    assert run.controller.kappa_schedule is not None  # kappa applied (the frozen scale is skipped: tracker's 1.0)
+    both = CalibrateAt([3, 4], **kw)
+    run = _Stub()
+    run.step(4.0)  # one step passes two marks: one point
+    assert both.after_step(model, opt, run) is not None and both.marks == [] and len(both.calibration.points) == 1
+    resumed = CalibrateAt([3, 50], **kw)
+    run = _Stub()
+    run.step(40.0)  # a resumed run's first step ends at 40: the mark at 3 was passed before it
+    assert resumed.after_step(model, opt, run) is None and resumed.marks == [50.0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tracker=None), r"\['tracker'\] are not arguments of measure_critical_batch"),
+    (dict(replicats=2), r"\['replicats'\] are not arguments"),
+    (dict(branch_tokens=0), r"branch_tokens=0\): must be finite and > 0"),
+    (dict(evaluate=3), r"evaluate=3: expected a callable"),
+])
+def test_calibrate_at_checks_its_arguments_when_built(kwargs, match):
+    from cbs_tracker.core.calibrate import CalibrateAt
+
+    kw = dict(loss_fn=len, data=len, evaluate=len, microbatch_size=1, branch_tokens=4)
+    kw.update(kwargs)
+    with pytest.raises((TypeError, ValueError), match=match):
+        CalibrateAt([10], **kw)

@@ -23,8 +23,8 @@ def test_kappa_is_linear_in_log_tokens_between_points_and_flat_outside():
     assert s.value_at(0) == 0.5 and s.value_at(1e6) == 0.5 and s.value_at(1e9) == 2.0
     assert s.value_at(2e6) == pytest.approx(1.25)  # log 2M is halfway between log 1M and log 4M
     assert s.value_at(math.exp(0.25 * math.log(4) + math.log(1e6))) == pytest.approx(0.875)
-    z = KappaSchedule([(0, 1.0), (100, 3.0)])  # a point at 0 tokens: its segment takes the right end
-    assert z.value_at(50) == 3.0
+    z = KappaSchedule([(0, 1.0), (100, 3.0)])  # a point at 0 tokens: linear in tokens up to the next
+    assert z.value_at(1) == pytest.approx(1.02) and z.value_at(50) == pytest.approx(2.0)
     s.add(2e6, 1.0)
     assert s.value_at(2e6) == 1.0 and s.value_at(3e6) == pytest.approx(1.0 + math.log(1.5) / math.log(2))
     s.add(2e6, 1.5)  # the same tokens: replaced

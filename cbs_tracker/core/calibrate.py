@@ -43,8 +43,9 @@ class FrozenNoiseScale:
         noise_scale: ``tr(Sigma) / |G|^2`` in the microbatch's unit.
         stderr: its standard error over the groups of microbatches.
         preconditioned: the same with every gradient scaled by Adam's preconditioner
-            ``1 / (sqrt(v_hat) + eps)`` (``tr(P Sigma) / G^T P G``), ``None`` when the
-            optimizer keeps no second moment.
+            ``P = 1 / (sqrt(v_hat) + eps)`` (``tr(P Sigma P) / |P G|^2``, the noise scale of the
+            update direction, as the tracker's ``preconditioner="adam"`` measures it), ``None``
+            when the optimizer keeps no second moment.
         preconditioned_stderr: its standard error (``None`` with it).
         microbatches: microbatch gradients taken.
     """
@@ -251,7 +252,7 @@ def _branch_copy(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if missing:
             raise ValueError(f"{_OWNER}: the optimizer holds {len(missing)} parameter(s) that are not the model's; "
                              "pass the model the optimizer was built for")
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
+        groups.append({**{k: copy.deepcopy(v) for k, v in group.items() if k != "params"},
                        "params": [mapping[id(p)] for p in group["params"]]})
     if make_optimizer is not None:
         branch_opt = make_optimizer(groups)
@@ -263,8 +264,7 @@ def _branch_copy(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                             "pass make_optimizer=lambda param_groups: MyOptimizer(param_groups, ...)") from exc
     branch_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     for p in branch.parameters():
-        p.grad = None
-    branch.train()
+        p.grad = None  # the deep copy keeps each submodule's train/eval flag as the run has it
     return branch, branch_opt
 
 
@@ -339,8 +339,10 @@ def _ratio_and_stderr(gs: list[float], ts: list[float]) -> tuple[float, float]:
     vg = sum((x - mg) ** 2 for x in gs) / (n - 1) / n
     vt = sum((x - mt) ** 2 for x in ts) / (n - 1) / n
     cgt = sum((x - mg) * (y - mt) for x, y in zip(gs, ts)) / (n - 1) / n
+    if mg == 0:
+        return math.inf, math.inf
     ratio = mt / mg
-    rel = vt / mt**2 + vg / mg**2 - 2 * cgt / (mt * mg) if mt and mg else 0.0
+    rel = vt / mt**2 + vg / mg**2 - 2 * cgt / (mt * mg) if mt else 0.0
     return ratio, abs(ratio) * math.sqrt(max(rel, 0.0))
 
 
@@ -353,6 +355,9 @@ def frozen_noise_scale(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
     each group's two batch sizes (``b`` and ``group * b``) give unbiased ``|G|^2`` and
     ``tr(Sigma)``; the ratio of their means over the groups is the noise scale.
     """
+    if isinstance(group, bool) or not isinstance(group, int) or group < 2 or count < 2 * group:
+        raise ValueError(f"frozen_noise_scale(count={count!r}, group={group!r}): need group >= 2 and count >= "
+                         "2 * group (two groups at least, for a standard error)")
     source = _unwrap(model)
     originals = [p for p in source.parameters() if p.requires_grad]
     pre = None if optimizer is None else _preconditioner(originals, optimizer, originals)
@@ -365,17 +370,22 @@ def frozen_noise_scale(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
         total = total_p = None
         small = small_p = 0.0
         for _ in range(group):
-            g = _flat_grad(originals, loss_fn(source, next(microbatches)))
+            try:
+                batch = next(microbatches)
+            except StopIteration:
+                raise ValueError("frozen_noise_scale: the data ran out; give at least count microbatches") from None
+            g = _flat_grad(originals, loss_fn(source, batch))
             small += float(g @ g) / group
             total = g if total is None else total + g
             if pre is not None:
-                small_p += float(g @ (pre * g)) / group
+                pg = pre * g
+                small_p += float(pg @ pg) / group
         big = float(total @ total) / group**2  # type: ignore[operator]
         raw_g.append((group * big - small) / (group - 1))
         raw_t.append((small - big) / (1.0 / b - 1.0 / (group * b)))
         if pre is not None:
-            total_p = total
-            big_p = float(total_p @ (pre * total_p)) / group**2  # type: ignore[operator]
+            total_p = pre * total  # type: ignore[operator]
+            big_p = float(total_p @ total_p) / group**2
             pre_g.append((group * big_p - small_p) / (group - 1))
             pre_t.append((small_p - big_p) / (1.0 / b - 1.0 / (group * b)))
     ns, se = _ratio_and_stderr(raw_g, raw_t)
@@ -393,26 +403,27 @@ def _check(name: str, value: Any, *, positive: bool = True, integer: bool = Fals
         raise ValueError(f"{_OWNER}({name}={value!r}): must be finite and {'> 0' if positive else '>= 0'}")
 
 
-def _tracker_batch(tracker: Any) -> float | None:
-    """The global batch of the tracker's next window: the last step's microbatch size times the
-    accumulation in force (a doubling decided at the last step included) times the ranks."""
+def _next_window(tracker: Any) -> tuple[float | None, float]:
+    """The global batch of the tracker's next window, and the LR factor that window will run at
+    relative to the LR in the optimizer now (a doubling decided but not yet applied raises it).
+
+    Both sides count the loader's batches per rank: ``rec.accumulation_steps`` (what ran) and the
+    session's level (a pending change first), so joined microbatches need no special case.
+    """
     rec = getattr(tracker, "last_record", None)
-    if rec is None:
-        return None
     session = getattr(tracker, "session", None)
-    if hasattr(tracker, "microbatch_batches"):  # the plain loop: its next window's microbatches
-        nxt = tracker.accumulation_steps
-        if nxt != rec.accumulation_steps and tracker.microbatch_batches != 1:
-            raise ValueError(f"{_OWNER}(batch=None): the tracker's layout changed at the last step "
-                             "(microbatch first); pass batch= (the global batch of the next window)")
-    elif session is not None:  # Lightning, CBSTrainer: the session's level (a pending change first)
-        pending = getattr(session, "pending_accumulation", None)
-        nxt = pending if pending is not None else session.accumulation_steps
-    else:
-        return rec.global_batch
-    if nxt == rec.accumulation_steps:
-        return rec.global_batch
-    return rec.micro_batch * nxt * rec.dp_degree
+    if rec is None:
+        return None, 1.0
+    if session is None or not rec.accumulation_steps:
+        return rec.global_batch, 1.0
+    pending = getattr(session, "pending_accumulation", None)
+    level = session.accumulation_steps
+    nxt = pending if pending is not None else level
+    batch = rec.global_batch if nxt == rec.accumulation_steps else rec.global_batch * nxt / rec.accumulation_steps
+    factor = 1.0
+    if nxt != level and getattr(session, "coupling", 0) > 0:
+        factor = coupling_factor(session.coupling_mode, nxt / session.starting_accumulation) / session.coupling
+    return batch, factor
 
 
 class CalibrateAt:
@@ -432,9 +443,24 @@ class CalibrateAt:
             raise TypeError(f"calibrate marks={marks!r}: expected a sequence of token counts") from None
         if not self.marks or any(not (math.isfinite(m) and m >= 0) for m in self.marks):
             raise ValueError(f"calibrate marks={marks!r}: expected one or more finite token counts >= 0")
+        import inspect
+
+        allowed = set(inspect.signature(measure_critical_batch).parameters) - {"model", "optimizer", "tracker"}
+        unknown = sorted(set(measure) - allowed)
+        if unknown:
+            raise TypeError(f"calibrate: {unknown} are not arguments of measure_critical_batch (the tracker, model "
+                            f"and optimizer come from the run); allowed: {sorted(allowed)}")
         for key in ("loss_fn", "data", "evaluate", "microbatch_size", "branch_tokens"):
             if key not in measure:
                 raise TypeError(f"calibrate: missing the measure_critical_batch argument {key!r}")
+        for key in ("loss_fn", "data", "evaluate"):
+            if not callable(measure[key]):
+                raise TypeError(f"calibrate: {key}={measure[key]!r}: expected a callable")
+        for key in ("microbatch_size", "branch_tokens", "epsilon"):
+            if key in measure:
+                _check(key, measure[key])
+        if "replicates" in measure:
+            _check("replicates", measure["replicates"], integer=True)
         self.apply = bool(apply)
         self.measure = measure
         self.calibration = Calibration()
@@ -451,7 +477,7 @@ class CalibrateAt:
         tokens = float(tracker.tokens_seen)
         before = tokens - rec.global_batch if self._last_tokens is None else self._last_tokens
         self._last_tokens = tokens
-        while self.marks and self.marks[0] <= before:
+        while self.marks and self.marks[0] < before:  # passed before this run started (a resume)
             self.marks.pop(0)
         if not self.marks or tokens < self.marks[0]:
             return None
@@ -546,11 +572,13 @@ def measure_critical_batch(
     inner = getattr(optimizer, "optimizer", None)  # Accelerate's wrapper: the optimizer it steps
     if isinstance(inner, torch.optim.Optimizer):
         optimizer = inner
+    pending_factor = 1.0
     if tracker is not None:
-        batch = _tracker_batch(tracker) if batch is None else batch
+        if batch is None:
+            batch, pending_factor = _next_window(tracker)
         tokens = tracker.tokens_seen if tokens is None else tokens
-        if lr_coupling in (None, "auto"):
-            session = getattr(tracker, "session", None)
+        session = getattr(tracker, "session", None)
+        if lr_coupling in (None, "auto") and getattr(session, "optimizer", None) is not None:
             lr_coupling = getattr(session, "coupling_mode", None)
     if batch is None:
         raise ValueError(f"{_OWNER}(batch=None): give the run's global batch, or a tracker that has taken a step")
@@ -567,11 +595,15 @@ def measure_critical_batch(
     _check("frozen_microbatches", frozen_microbatches, positive=False, integer=True)
     if 0 < frozen_microbatches < 8:
         raise ValueError(f"{_OWNER}(frozen_microbatches={frozen_microbatches}): 0 (skip) or >= 8 (two groups of 4)")
-    if not callable(loss_fn) or not callable(data) or not callable(evaluate):
-        raise TypeError(f"{_OWNER}: loss_fn, data and evaluate must be callables")
-    mults = sorted({float(m) for m in multiples} | {1.0})
-    for m in mults:
+    for name, fn in (("loss_fn", loss_fn), ("data", data), ("evaluate", evaluate)):
+        if not callable(fn):
+            raise TypeError(f"{_OWNER}({name}={fn!r}): expected a callable")
+    if isinstance(multiples, (str, bytes)) or not all(
+            isinstance(m, (int, float)) and not isinstance(m, bool) for m in multiples):
+        raise TypeError(f"{_OWNER}(multiples={multiples!r}): expected a sequence of numbers > 0")
+    for m in multiples:
         _check("multiples", m)
+    mults = sorted({float(m) for m in multiples} | {1.0})
     coupling = resolve_coupling(lr_coupling, optimizer, owner=_OWNER)
     accum: dict[float, int] = {}
     for m in mults:
@@ -581,6 +613,12 @@ def measure_critical_batch(
                              f"a whole number of microbatches of {microbatch_size:g}; allowed: multiples whose batch "
                              "is a multiple of microbatch_size")
         accum[m] = int(round(micro))
+    top = accum[max(mults)]
+    uneven = [m for m in mults if top % accum[m]]
+    if uneven:
+        raise ValueError(f"{_OWNER}(multiples={list(multiples)}): the largest batch is not a whole number of "
+                         f"steps of {[f'{m:g}' for m in uneven]} x batch; allowed: multiples that each divide the "
+                         "largest (powers of two, say), so every branch trains on the same samples")
     largest = max(mults) * batch
     steps_of = {m: int(branch_tokens // largest) * accum[max(mults)] // accum[m] for m in mults}
     if steps_of[max(mults)] < 1:
@@ -597,6 +635,10 @@ def measure_critical_batch(
     if max_lr is None and getattr(session, "cap_lr_at_peak", False) and optimizer.param_groups:
         group = optimizer.param_groups[0]  # the tracker caps the coupled LR at its peak: so do the branches
         max_lr = float(group.get("max_lr", group.get("initial_lr", base_lrs[0])))
+    if pending_factor != 1.0:  # the next window's batch runs at its own coupling, not the last window's
+        capped = pending_factor if max_lr is None or base_lrs[0] <= 0 else min(
+            pending_factor, max(1.0, max_lr / base_lrs[0]))
+        base_lrs = [lr * capped for lr in base_lrs]
 
     def lr_factor_at(m: float, lr_mult: float) -> Callable[[int], float]:
         step_units = m * batch
@@ -624,11 +666,11 @@ def measure_critical_batch(
     total = 0.0
     with _rng_preserved():
         eval_copy, eval_opt = _branch_copy(model, optimizer, make_optimizer)
-        start_loss = float(evaluate(eval_copy))
         frozen = None
-        if frozen_microbatches:
+        if frozen_microbatches:  # before evaluate, which may leave the copy in eval mode
             frozen = frozen_noise_scale(eval_copy, eval_opt, loss_fn=loss_fn, microbatches=iter(data(replicates)),
                                         microbatch_size=microbatch_size, count=frozen_microbatches)
+        start_loss = float(evaluate(eval_copy))
         del eval_copy, eval_opt
         for m in mults:
             factor = coupling_factor(coupling, m)

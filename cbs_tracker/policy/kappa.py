@@ -3,8 +3,8 @@
 The controller's target is ``kappa * B_simple``. A branched calibration
 (:func:`cbs_tracker.calibrate.measure_critical_batch`) measures ``kappa`` at points of a
 run; :class:`KappaSchedule` holds them and answers ``kappa`` at any token count:
-interpolated linearly in ``log(tokens)`` between points, the first point's value before
-it and the latest one's after the last (so points added during a run take effect from
+interpolated linearly in ``log(tokens)`` between points (linearly in tokens from a point at
+0 tokens), the first point's value before it and the latest one's after the last (so points added during a run take effect from
 then on). Pure: no torch.
 """
 
@@ -78,9 +78,10 @@ class KappaSchedule:
             return pts[-1][1]
         for (t0, k0), (t1, k1) in zip(pts, pts[1:]):
             if t0 <= tokens <= t1:
-                if t0 <= 0:  # log(0) is -inf: the first segment from 0 is flat at its right end
-                    return k1
-                frac = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+                if t0 <= 0:  # log(0) is -inf: a segment from 0 tokens is linear in tokens
+                    frac = tokens / t1
+                else:
+                    frac = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
                 return k0 + frac * (k1 - k0)
         return pts[-1][1]  # not reached
 
