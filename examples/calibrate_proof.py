@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicates", type=int, default=2)
     p.add_argument("--branch-tokens", type=int, default=None)
     p.add_argument("--checkpoints", type=str, default=None, help="comma-separated token marks")
+    p.add_argument("--frozen-only", action="store_true",
+                   help="measure only the frozen noise scales at the checkpoints (no branches); writes "
+                        "<out>/frozen_<setting>_seed<s>.json")
     p.add_argument("--report", nargs="+", type=Path, default=None,
                    help="run nothing: print the Markdown table of these calibration files")
     args = p.parse_args(argv)
@@ -108,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             "library_commit": base._library_commit(), "points": json.loads(calibration.to_json()),
         }, indent=1))
 
+    if args.frozen_only:
+        frozen = calibrate_gpt(c, log=lambda line: print(line, flush=True), frozen_only=True)
+        out = args.out / f"frozen_{s.name}_seed{args.seed}.json"
+        out.write_text(json.dumps({"setting": s.name, "setting_key": s.key(), "seed": args.seed,
+                                   "library_commit": base._library_commit(),
+                                   "points": [{"tokens": t, **asdict(f)} for t, f in frozen]}, indent=1))
+        print(f"wrote {out}")
+        return 0
     calibrate_gpt(c, log=lambda line: print(line, flush=True), on_point=save)
     print(f"wrote {path}")
     return 0

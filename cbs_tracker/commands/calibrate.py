@@ -64,12 +64,15 @@ def cosine_lr(c: GPTCalibration) -> Callable[[float], float]:
 
 
 def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
-                  on_point: Callable[[Any], None] | None = None) -> Any:
+                  on_point: Callable[[Any], None] | None = None, frozen_only: bool = False) -> Any:
     """Train the demo GPT at a constant batch to each mark and calibrate there; returns the
-    :class:`~cbs_tracker.core.calibrate.Calibration` (``on_point`` is called after each point)."""
+    :class:`~cbs_tracker.core.calibrate.Calibration` (``on_point`` is called after each point).
+
+    ``frozen_only``: measure only the frozen noise scales at the marks (the same microbatches a
+    calibration's frozen measurement takes); returns a list of ``(tokens, FrozenNoiseScale)``."""
     import torch
 
-    from cbs_tracker.core.calibrate import Calibration, measure_critical_batch
+    from cbs_tracker.core.calibrate import Calibration, _branch_copy, frozen_noise_scale, measure_critical_batch
     from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
     from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
     from cbs_tracker.integrations.plain import CBSTracker
@@ -92,6 +95,7 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
         return iter(lambda: s.next_batch(c.micro_sequences), None)
 
     calibration = Calibration()
+    frozen: list[Any] = []
     pending = sorted(c.marks)
     while pending:
         for _ in range(tracker.accumulation_steps):
@@ -107,6 +111,13 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
             continue
         pending.pop(0)
         ns = "-" if record.noise_scale is None else f"{record.noise_scale:,.0f}"
+        if frozen_only:
+            copy_model, copy_opt = _branch_copy(model, optimizer, None)
+            frozen.append((record.tokens_seen, frozen_noise_scale(
+                copy_model, copy_opt, loss_fn=lambda m, b: m(*b)[1], microbatches=iter(data(c.replicates)),
+                microbatch_size=micro_tokens, count=32)))
+            log(f"{record.tokens_seen:,.0f} tokens: frozen {frozen[-1][1]}")
+            continue
         log(f"{record.tokens_seen:,.0f} tokens, batch {start:,}, B_simple {ns}: branching")
         point = measure_critical_batch(
             model, optimizer, tracker=tracker, loss_fn=lambda m, b: m(*b)[1], data=data,
@@ -119,7 +130,7 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
             f"{c.run_tokens:,.0f}-token run), {point.seconds:.0f} s")
         if on_point is not None:
             on_point(calibration)
-    return calibration
+    return frozen if frozen_only else calibration
 
 
 def plot_branches(calibration: Any, path: str | Path, *, unit: str = "tokens") -> None:
