@@ -72,7 +72,12 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
     calibration's frozen measurement takes); returns a list of ``(tokens, FrozenNoiseScale)``."""
     import torch
 
-    from cbs_tracker.core.calibrate import Calibration, _branch_copy, frozen_noise_scale, measure_critical_batch
+    from cbs_tracker.core.calibrate import (
+        Calibration,
+        _branch_copy,
+        frozen_noise_scale,
+        measure_critical_batch,
+    )
     from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
     from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
     from cbs_tracker.integrations.plain import CBSTracker
