@@ -65,6 +65,24 @@ def markdown_table(saved: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_frozen(calibration_path: Path, frozen_path: Path) -> None:
+    """Take the preconditioned noise scale (and its kappa) from a ``--frozen-only`` run of the same
+    checkpoints; the raw frozen values must be identical (the same weights and microbatches)."""
+    saved = json.loads(calibration_path.read_text())
+    frozen = json.loads(frozen_path.read_text())
+    if len(frozen["points"]) != len(saved["points"]):
+        raise SystemExit(f"{frozen_path}: {len(frozen['points'])} points, {calibration_path} has {len(saved['points'])}")
+    for point, f in zip(saved["points"], frozen["points"]):
+        if f["tokens"] != point["tokens"] or f["noise_scale"] != point["frozen"]["noise_scale"]:
+            raise SystemExit(f"{frozen_path}: the point at {f['tokens']} does not repeat the calibration's weights "
+                             f"(raw {f['noise_scale']} against {point['frozen']['noise_scale']})")
+        point["frozen"]["preconditioned"] = f["preconditioned"]
+        point["frozen"]["preconditioned_stderr"] = f["preconditioned_stderr"]
+        point["kappa_preconditioned"] = point["critical"]["low"] / f["preconditioned"]
+    saved["preconditioned_from"] = {"file": frozen_path.name, "library_commit": frozen["library_commit"]}
+    calibration_path.write_text(json.dumps(saved, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setting", choices=sorted(SETTINGS), default="full")
@@ -76,9 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frozen-only", action="store_true",
                    help="measure only the frozen noise scales at the checkpoints (no branches); writes "
                         "<out>/frozen_<setting>_seed<s>.json")
+    p.add_argument("--merge-frozen", nargs=2, type=Path, default=None, metavar=("CALIBRATION", "FROZEN"),
+                   help="replace the preconditioned noise scales of CALIBRATION with FROZEN's (a --frozen-only run "
+                        "at the same checkpoints, whose raw values must agree exactly), in place")
     p.add_argument("--report", nargs="+", type=Path, default=None,
                    help="run nothing: print the Markdown table of these calibration files")
     args = p.parse_args(argv)
+    if args.merge_frozen:
+        merge_frozen(*args.merge_frozen)
+        return 0
     if args.report:
         for path in args.report:
             print(markdown_table(json.loads(path.read_text())))
