@@ -62,6 +62,10 @@ def test_the_controller_follows_the_schedule_and_checkpoints_measured_points():
     assert plain.kappa == 1.5 and plain.state_dict()["kappa_points"] == [[500.0, 1.5]]
     plain.set_kappa(0.4)
     assert plain.kappa == 0.4 and plain.kappa_schedule is None and plain.state_dict()["kappa_points"] == []
+    plain.kappa = [(10, 2.0)]  # assignment is set_kappa
+    assert plain.kappa_schedule == KappaSchedule([(10, 2.0)])
+    with pytest.raises(TypeError, match=r"kappa_points'\]=0: expected a list"):
+        BatchSizeController().load_state_dict({**state, "kappa_points": 0})
     with pytest.raises(ValueError, match=r"kappa_points'\]=\[\[1, -2\]\]: .*kappa=-2"):
         BatchSizeController().load_state_dict({**state, "kappa_points": [[1, -2]]})
 

@@ -309,6 +309,10 @@ class BatchSizeController:
         """``kappa`` in force: the constant, or the measured schedule's value at the last update's units."""
         return self._kappa_now
 
+    @kappa.setter
+    def kappa(self, value: float | KappaSchedule | list[tuple[float, float]]) -> None:
+        self.set_kappa(value)
+
     @property
     def kappa_schedule(self) -> KappaSchedule | None:
         """The measured ``kappa`` (``None`` while ``kappa`` is a constant)."""
@@ -378,6 +382,8 @@ class BatchSizeController:
             raise ValueError(f"{owner}: state['version']={version!r}: expected {self.STATE_VERSION}")
         parsed = [part.parse_state(read) for part in self._parts()]
         points = state.get("kappa_points")
+        if points is not None and not isinstance(points, (list, tuple)):
+            raise TypeError(f"{owner}: state['kappa_points']={points!r}: expected a list of [tokens, kappa] pairs")
         schedule = None
         if points:  # [] (or absent): kappa stays as configured
             try:
