@@ -840,5 +840,7 @@ class CBSCalibration(Callback):
         self._steps = self.cbs.steps
         point = self._at.after_step(pl_module, trainer.optimizers[0], self.cbs)
         if point is not None:
+            kappa = "-" if point.kappa is None else f"{point.kappa:.3g}"
             rank_zero_info(f"CBSCalibration at {point.tokens:,.0f} {self.cbs.unit}: critical batch "
-                           f"[{point.critical.low:,.0f}, {point.critical.high:,.0f}), kappa {point.kappa}")
+                           f"[{point.critical.low:,.0f}, {point.critical.high:,.0f}), kappa {kappa}; "
+                           f"{point.total_branch_tokens:,.0f} branch {self.cbs.unit}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import random
 import time
@@ -32,6 +33,7 @@ from cbs_tracker.policy.lr import coupling_factor, resolve_coupling
 __all__ = ["CalibrateAt", "Calibration", "CalibrationPoint", "FrozenNoiseScale", "frozen_noise_scale", "measure_critical_batch"]
 
 DEFAULT_MULTIPLES = (0.5, 1.0, 2.0, 4.0, 8.0)
+_log = logging.getLogger(__name__)
 _OWNER = "measure_critical_batch"
 
 
@@ -485,6 +487,12 @@ class CalibrateAt:
             self.marks.pop(0)
         point = measure_critical_batch(model, optimizer, tracker=tracker, **self.measure)
         self.calibration.points.append(point)
+        spent = sum(p.total_branch_tokens for p in self.calibration.points)
+        _log.info("calibration at %.0f units: critical batch [%.0f, %s), kappa %s; %.0f branch units (all "
+                  "calibrations so far: %.1f%% of the run's units)", point.tokens, point.critical.low,
+                  "inf" if point.critical.lower_bound_only else f"{point.critical.high:.0f}",
+                  "-" if point.kappa is None else f"{point.kappa:.3g}", point.total_branch_tokens,
+                  100.0 * spent / max(tokens, 1.0))
         if self.apply and point.kappa is not None and getattr(tracker, "controller", None) is not None:
             point.apply_to(tracker.controller)
         return point
