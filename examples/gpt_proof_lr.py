@@ -22,6 +22,7 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
 * ``tracker_kappa04`` (cosine and WSD): the default controller at ``kappa=0.4``;
 * ``tracker_measured`` (cosine): the default controller with the ``kappa`` measured by branches
   (``examples/calibrate_proof.py``; the file ``MEASURED_KAPPA``), interpolated in log tokens;
+  ``tracker_measured_cap`` the same with the coupled LR capped at its peak;
 * ``constant_512_fast`` (cosine): constant 512 at its fastest layout on one process, one
   512-token microbatch per step, without the tracker (no noise scale is measurable there).
 
@@ -102,6 +103,8 @@ def plan(setting: base.Setting) -> list[Run]:
     runs += [Run("tracker_kappa04", seed, s) for seed in setting.seeds for s in ("cosine", "wsd")]
     # the default controller with kappa measured by branches from the constant 512 run of seed 0
     runs += [Run("tracker_measured", seed, "cosine") for seed in setting.seeds]
+    # ... with the coupled LR capped at its peak (is it the batch or the LR above the peak that costs?)
+    runs += [Run("tracker_measured", seed, "cosine", cap=True) for seed in setting.seeds]
     return runs
 
 
