@@ -23,7 +23,7 @@ EARLIER = {0: ("proof_lr_results.json", "proof_lr_window_results.json", "proof_k
 #: one-sided 95% quantile of Student's t with 3 degrees of freedom (four paired seeds)
 T95_3 = 2.3533634348018264
 SCHEDULES = {"constant": "constant 512", "tracker_default": "κ = 0.5", "tracker_kappa04": "κ = 0.4",
-             "tracker_measured": "measured κ"}
+             "tracker_measured": "measured κ", "tracker_measured_cap": "measured κ, LR capped at its peak"}
 
 
 def _earlier(seed: int) -> dict[str, dict]:
@@ -40,22 +40,24 @@ def paired(diffs: list[float]) -> dict[str, float]:
     n = len(diffs)
     mean = sum(diffs) / n
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
-    return {"mean": mean, "stderr": se, "upper90": mean + T95_3 * se if n == 4 else float("nan")}
+    return {"mean": mean, "stderr": se, "upper90": mean + T95_3 * se if n == 4 else None}
 
 
 def report(runs_dir: Path, seeds: tuple[int, ...] = (0, 1, 2, 3)) -> dict:
     per_seed = {}
     for seed in seeds:
         rows = _earlier(seed)
-        path = runs_dir / "runs" / f"tracker_measured_cosine_seed{seed}.json"
-        if path.exists():
-            r = json.loads(path.read_text())
-            rows["tracker_measured"] = {k: r[k] for k in ("name", "schedule", "seed", "final_val_loss", "steps",
-                                                          "final_batch_tokens", "library_commit")}
+        for key, name in (("tracker_measured", f"tracker_measured_cosine_seed{seed}"),
+                          ("tracker_measured_cap", f"tracker_measured_cap_cosine_seed{seed}")):
+            path = runs_dir / "runs" / f"{name}.json"
+            if path.exists():
+                r = json.loads(path.read_text())
+                rows[key] = {k: r[k] for k in ("name", "schedule", "seed", "final_val_loss", "steps",
+                                               "final_batch_tokens", "library_commit")}
         per_seed[seed] = {k: {"final_val_loss": v["final_val_loss"], "steps": v["steps"],
                               "final_batch_tokens": v.get("final_batch_tokens")} for k, v in rows.items()}
     summary = {}
-    for key in ("tracker_default", "tracker_kappa04", "tracker_measured"):
+    for key in ("tracker_default", "tracker_kappa04", "tracker_measured", "tracker_measured_cap"):
         have = [s for s in seeds if key in per_seed[s] and "constant" in per_seed[s]]
         if not have:
             continue
@@ -79,8 +81,9 @@ def markdown(rep: dict) -> str:
                   "upper end of the 90% interval | fewer optimizer steps |", "|---|---|---|---|---|"]
     for key, s in rep["summary"].items():
         v = s["vs_constant"]
+        upper = "(four seeds needed)" if v["upper90"] is None else f"{v['upper90']:+.4f}"
         lines.append(f"| {SCHEDULES[key]} (seeds {', '.join(map(str, s['seeds']))}) | {v['mean']:+.4f} | "
-                     f"{v['stderr']:.4f} | {v['upper90']:+.4f} | {s['fewer_steps_min']:.0%}–{s['fewer_steps_max']:.0%} |")
+                     f"{v['stderr']:.4f} | {upper} | {s['fewer_steps_min']:.0%}–{s['fewer_steps_max']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
