@@ -30,6 +30,10 @@ def test_measured_kappa_table_is_the_json():
     rep = json.loads((ROOT / "docs" / "proof_measured_results.json").read_text())
     rep["per_seed"] = {int(k): v for k, v in rep["per_seed"].items()}
     assert measured_kappa_report.markdown(rep) in RESULTS
+    # the earlier runs' rows are the results files they come from
+    for seed, rows in rep["per_seed"].items():
+        for key, row in measured_kappa_report._earlier(seed).items():
+            assert rows[key]["final_val_loss"] == row["final_val_loss"] and rows[key]["steps"] == row["steps"]
     # the summary is the per-seed rows' arithmetic
     for key, s in rep["summary"].items():
         d = [rep["per_seed"][seed][key]["final_val_loss"] - rep["per_seed"][seed]["constant"]["final_val_loss"]
