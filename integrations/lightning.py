@@ -29,7 +29,7 @@ from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
-from cbs_tracker.core.calibrate import CalibrateAt
+from cbs_tracker.core.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.loop import group_cap, join_batches, leading_rows, microbatch_layout
@@ -808,7 +808,8 @@ class CBSCalibration(Callback):
     At the first optimizer step at or after each mark it runs
     :func:`cbs_tracker.measure_critical_batch` on deep copies of the module and the first
     optimizer (the run itself is untouched) and, with ``apply=True``, gives the measured
-    ``kappa`` to ``cbs.controller``. Place it after the :class:`CBSCallback`.
+    ``kappa`` to ``cbs.controller``; every Trainer logger gets the ``cbs_calibration/`` tags at
+    x = units seen. Place it after the :class:`CBSCallback`.
 
     Args:
         cbs: the run's :class:`CBSCallback` (read for the batch, tokens, noise scale, coupling).
@@ -840,6 +841,8 @@ class CBSCalibration(Callback):
         self._steps = self.cbs.steps
         point = self._at.after_step(pl_module, trainer.optimizers[0], self.cbs)
         if point is not None:
+            for logger in trainer.loggers:  # the cbs_calibration/ tags, x = units seen
+                logger.log_metrics(calibration_scalars(point), step=int(round(point.tokens)))
             kappa = "-" if point.kappa is None else f"{point.kappa:.3g}"
             rank_zero_info(f"CBSCalibration at {point.tokens:,.0f} {self.cbs.unit}: critical batch "
                            f"[{point.critical.low:,.0f}, {point.critical.high:,.0f}), kappa {kappa}; "

@@ -131,6 +131,24 @@ class TensorBoardLogger:
         for tag, value in schedule.items():
             self._writer.add_scalar(tag, value, global_step=x_seen)
 
+    def log_calibration(self, point: Any) -> None:
+        """Write a branched calibration's ``cbs_calibration/`` scalars at x = its units seen.
+
+        Raises:
+            RuntimeError: the logger is closed.
+        """
+        if self._closed:
+            raise RuntimeError("TensorBoardLogger.log_calibration() called after close()")
+        from cbs_tracker.core.calibrate import calibration_scalars
+
+        scalars = calibration_scalars(point)
+        if not self._should_write():
+            return
+        if self._writer is None:
+            self._writer = self._writer_cls(log_dir=self.log_dir, flush_secs=self.flush_secs)
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, value, global_step=int(round(point.tokens)))
+
     def flush(self) -> None:
         """Write pending events to disk now."""
         if self._writer is not None:

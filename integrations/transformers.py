@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
-from cbs_tracker.core.calibrate import CalibrateAt
+from cbs_tracker.core.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import loss_scale, reduce_window
@@ -529,7 +529,7 @@ class CBSCalibration(TrainerCallback):
     microbatch_size=..., branch_tokens=...))``. After the first optimizer step at or after each
     mark it runs :func:`cbs_tracker.measure_critical_batch` on deep copies of the model and the
     optimizer (the run itself is untouched) and, with ``apply=True``, gives the measured ``kappa``
-    to the trainer's controller.
+    to the trainer's controller; the ``cbs_calibration/`` tags go through ``Trainer.log`` at the step.
 
     Args:
         trainer: the :class:`CBSTrainer`.
@@ -551,4 +551,6 @@ class CBSCalibration(TrainerCallback):
         return self._at.calibration
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._at.after_step(self.trainer.model, self.trainer.optimizer, self.trainer)
+        point = self._at.after_step(self.trainer.model, self.trainer.optimizer, self.trainer)
+        if point is not None:  # the cbs_calibration/ tags through the Trainer's reporting, at this step
+            self.trainer.log(calibration_scalars(point))

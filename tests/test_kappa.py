@@ -281,3 +281,43 @@ def test_cbstrainer_calibrates_at_a_mark_during_train_without_touching_the_run(t
     trainer, _, cal = train("apply", "apply")
     point = cal.calibration.points[0]
     assert trainer.controller.kappa_schedule == KappaSchedule([(point.tokens, point.kappa)])
+
+
+def test_calibration_tags_are_written_at_the_points_units(tmp_path):
+    from cbs_tracker.core.calibrate import calibration_scalars
+    from cbs_tracker.integrations.tensorboard import TensorBoardLogger
+    from tests.test_lightning import _read_tb
+
+    _, point = _plain_run(calibrate_at=3)
+    with TensorBoardLogger(tmp_path / "plain") as tb:
+        tb.log_calibration(point)
+    got = _read_tb(str(tmp_path / "plain"))
+    expected = {"critical_batch_low": point.critical.low, "critical_batch_high": point.critical.high,
+                "kappa": point.kappa, "noise_scale": point.noise_scale, "branch_units": point.total_branch_tokens,
+                "frozen_noise_scale": point.frozen.noise_scale, "lr_control_effect": point.lr_effect}
+    for name, value in expected.items():
+        assert got[f"cbs_calibration/{name}"] == {int(point.tokens): pytest.approx(value, rel=1e-6)}, name
+    assert set(got) == set(calibration_scalars(point))  # nothing else; no preconditioner for SGD
+
+
+def test_lightning_calibration_logs_its_tags_through_the_trainers_logger(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger as PLTensorBoard
+
+    from cbs_tracker import CBSCallback
+    from cbs_tracker.integrations.lightning import CBSCalibration
+    from tests.lightning_workers import Regression, regression_data
+    from tests.test_lightning import _read_tb, loader, make_trainer
+
+    def lit(m, batch):
+        return m.loss(batch)
+
+    cb = CBSCallback(controller=controller(0.5), estimator=NoIntervalEstimator(horizon_steps=5, min_steps=3),
+                     unit="samples")
+    cal = CBSCalibration(cb, [40], **_branch_kwargs(lit, column=True))
+    log = PLTensorBoard(tmp_path, name="run", version=0)
+    make_trainer(max_steps=20, accumulate_grad_batches=2, callbacks=[cb, cal], logger=log).fit(
+        Regression(lr=0.05), loader(regression_data(512), 2))
+    (point,) = cal.calibration.points
+    got = _read_tb(log.log_dir)
+    assert got["cbs_calibration/kappa"] == {int(point.tokens): pytest.approx(point.kappa, rel=1e-6)}
+    assert got["cbs_calibration/critical_batch_low"] == {int(point.tokens): point.critical.low}

@@ -30,7 +30,7 @@ from cbs_tracker.policy.critical import BranchLosses, CriticalBatchInterval, cri
 from cbs_tracker.policy.kappa import KappaSchedule
 from cbs_tracker.policy.lr import coupling_factor, resolve_coupling
 
-__all__ = ["CalibrateAt", "Calibration", "CalibrationPoint", "FrozenNoiseScale", "frozen_noise_scale", "measure_critical_batch"]
+__all__ = ["CalibrateAt", "Calibration", "calibration_scalars", "CalibrationPoint", "FrozenNoiseScale", "frozen_noise_scale", "measure_critical_batch"]
 
 DEFAULT_MULTIPLES = (0.5, 1.0, 2.0, 4.0, 8.0)
 _log = logging.getLogger(__name__)
@@ -176,6 +176,24 @@ class Calibration:
 
     def to_json(self) -> str:
         return json.dumps([p.to_dict() for p in self.points], indent=1)
+
+
+def calibration_scalars(point: CalibrationPoint) -> dict[str, float]:
+    """The ``cbs_calibration/`` scalars of one point, to be written at x = ``round(point.tokens)``:
+    the critical batch's interval, the noise scales, each ``kappa``, the control's effect and the cost."""
+    fz = point.frozen
+    values = {
+        "critical_batch_low": point.critical.low,
+        "critical_batch_high": None if point.critical.lower_bound_only else point.critical.high,
+        "resolved": float(point.critical.resolved),
+        "noise_scale": point.noise_scale,
+        "frozen_noise_scale": None if fz is None else fz.noise_scale,
+        "preconditioned_noise_scale": None if fz is None else fz.preconditioned,
+        "kappa": point.kappa, "kappa_frozen": point.kappa_frozen, "kappa_preconditioned": point.kappa_preconditioned,
+        "lr_control_effect": point.lr_effect,
+        "branch_units": point.total_branch_tokens,
+    }
+    return {f"cbs_calibration/{k}": float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
 
 
 def _fmt(x: float | None, spec: str = ",.0f") -> str:
