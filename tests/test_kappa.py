@@ -284,8 +284,9 @@ def test_cbstrainer_calibrates_at_a_mark_during_train_without_touching_the_run(t
 
 
 def test_calibration_tags_are_written_at_the_points_units(tmp_path):
-    from cbs_tracker.core.calibrate import calibration_scalars
     from cbs_tracker.integrations.tensorboard import TensorBoardLogger
+
+    from cbs_tracker.core.calibrate import calibration_scalars
     from tests.test_lightning import _read_tb
 
     _, point = _plain_run(calibrate_at=3)
@@ -301,10 +302,10 @@ def test_calibration_tags_are_written_at_the_points_units(tmp_path):
 
 
 def test_lightning_calibration_logs_its_tags_through_the_trainers_logger(tmp_path):
+    from cbs_tracker.integrations.lightning import CBSCalibration
     from lightning.pytorch.loggers import TensorBoardLogger as PLTensorBoard
 
     from cbs_tracker import CBSCallback
-    from cbs_tracker.integrations.lightning import CBSCalibration
     from tests.lightning_workers import Regression, regression_data
     from tests.test_lightning import _read_tb, loader, make_trainer
 
