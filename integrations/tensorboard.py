@@ -108,6 +108,14 @@ class TensorBoardLogger:
     def _should_write(self) -> bool:
         return not self.rank_zero_only or cbs_dist.global_rank() == 0
 
+    def _open(self) -> Any:
+        """The event writer (opened on first use), or ``None`` on a rank that does not write."""
+        if not self._should_write():
+            return None
+        if self._writer is None:
+            self._writer = self._writer_cls(log_dir=self.log_dir, flush_secs=self.flush_secs)
+        return self._writer
+
     def log(self, record: StepRecord) -> None:
         """Write one step: ``record_scalars`` at ``record.step`` and ``schedule_scalars`` at ``schedule_step``.
 
@@ -122,14 +130,13 @@ class TensorBoardLogger:
         scalars = record_scalars(record)
         schedule = schedule_scalars(record)
         x_seen = schedule_step(record)
-        if not self._should_write():
+        writer = self._open()
+        if writer is None:
             return
-        if self._writer is None:
-            self._writer = self._writer_cls(log_dir=self.log_dir, flush_secs=self.flush_secs)
         for tag, value in scalars.items():
-            self._writer.add_scalar(tag, value, global_step=record.step)
+            writer.add_scalar(tag, value, global_step=record.step)
         for tag, value in schedule.items():
-            self._writer.add_scalar(tag, value, global_step=x_seen)
+            writer.add_scalar(tag, value, global_step=x_seen)
 
     def log_calibration(self, point: Any) -> None:
         """Write a branched calibration's ``cbs_calibration/`` scalars at x = its units seen.
@@ -142,12 +149,11 @@ class TensorBoardLogger:
         from cbs_tracker.core.calibrate import calibration_scalars
 
         scalars = calibration_scalars(point)
-        if not self._should_write():
+        writer = self._open()
+        if writer is None:
             return
-        if self._writer is None:
-            self._writer = self._writer_cls(log_dir=self.log_dir, flush_secs=self.flush_secs)
         for tag, value in scalars.items():
-            self._writer.add_scalar(tag, value, global_step=int(round(point.tokens)))
+            writer.add_scalar(tag, value, global_step=int(round(point.tokens)))
 
     def flush(self) -> None:
         """Write pending events to disk now."""
