@@ -256,10 +256,14 @@ def controller_config(controller: Any) -> dict[str, Any]:
     """The public settings of a run's controller (a result is reused only while they are unchanged)."""
     if controller is None:
         return {}
-    return {
+    config = {
         k: v for k, v in sorted(vars(controller).items())
         if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))
     }
+    kappa = getattr(controller, "kappa", None)  # a property (it may follow a measured schedule)
+    if isinstance(kappa, (int, float)) and getattr(controller, "kappa_schedule", None) is None:
+        config["kappa"] = kappa
+    return dict(sorted(config.items()))
 
 
 @functools.lru_cache(maxsize=1)

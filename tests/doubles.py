@@ -10,6 +10,7 @@ class PlanController:
     """Deterministic stand-in for a controller: ``plan[step]`` is the new accumulation decided at ``step``."""
 
     observe_only = False
+    kappa = 2.0  # its critical_batch is 2 x the noise scale
 
     def __init__(self, plan: dict[int, int]) -> None:
         self.plan = dict(plan)
