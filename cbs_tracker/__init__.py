@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "Calibration": "cbs_tracker.core.calibrate",
     "CalibrationPoint": "cbs_tracker.core.calibrate",
     "KappaSchedule": "cbs_tracker.policy.kappa",
+    "BatchSchedule": "cbs_tracker.policy.batch_schedule",
     "leading_dim": "cbs_tracker.core.units",
 }
 

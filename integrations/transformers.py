@@ -119,7 +119,8 @@ class CBSTrainer(Trainer):
             controller = BatchSizeController(observe_only=observe_only)
         if getattr(controller, "allow_shrink", False):
             raise ValueError(
-                "CBSTrainer(controller=BatchSizeController(allow_shrink=True)): shrinking is not supported; the "
+                f"CBSTrainer(controller={type(controller).__name__}(...)): it may shrink the batch (allow_shrink=True, or a "
+                "BatchSchedule whose marks go down); shrinking is not supported; the "
                 "Trainer's per-epoch counters and the data already consumed only stay exact when the batch grows"
             )
         if unit not in ("tokens", "samples"):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cbs_tracker import CBSTracker, NoiseScaleEstimator
+from cbs_tracker import BatchSchedule, CBSTracker, NoiseScaleEstimator
 from cbs_tracker.policy.controller import BatchSizeController
 
 _ALL_REDUCE = dist.all_reduce  # the comm hook's own all-reduce, invisible to CollectiveLog
@@ -35,6 +35,17 @@ LR = 0.05
 START_ACCUMULATION = 2  # per DP rank
 HSDP_CLIP = 1.2  # mesh_hsdp clips through the tracker (its step norms run 0.3-1.6)
 ONE_MICROBATCH_CLIP = 2.0  # ddp_one_microbatch clips through the tracker (its step norms run 1.3-6.2)
+# the *_schedule scenarios: microbatches of FIXED_ROWS samples; per rank of two, A = 2, 3, 4, 6
+FIXED_ROWS = 3
+SCHEDULE_MARKS = ((0, 12), (30, 18), (60, 24), (100, 36))
+
+
+def make_schedule() -> BatchSchedule:
+    return BatchSchedule(SCHEDULE_MARKS)
+
+
+def make_scheduler(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.1 * e))
 
 
 # ---------------------------------------------------------------------------- the problem
@@ -94,6 +105,8 @@ def train(
     log: CollectiveLog | None = None,
     clip: float | None = None,
     clip_norms: list[float] | None = None,
+    scheduler: Any = None,
+    fixed_rows: int | None = None,
 ) -> list[dict[str, Any]]:
     """The loop shared by the distributed ranks and the single-process reference.
 
@@ -104,6 +117,8 @@ def train(
     averages the gradients itself. ``log``: counts communication, one entry per step.
     ``clip``: clip the step's gradient to this norm, through ``tracker.clip_grad_norm_`` on
     the ranks and ``torch.nn.utils.clip_grad_norm_`` in the reference (norms into ``clip_norms``).
+    ``scheduler``: stepped after each optimizer step. ``fixed_rows``: every microbatch keeps
+    only its first rows (data of fixed size, for the batch schedules).
     """
     records = []
     for step in range(steps):
@@ -117,6 +132,8 @@ def train(
             if available is not None and not available(step, r, j):
                 continue
             x, y = microbatch_data(step, r, j, dtype=dtype, nan_at=nan_at)
+            if fixed_rows is not None:
+                x, y = x[:fixed_rows], y[:fixed_rows]
             with tracker.microbatch(size=len(y)):
                 out = model(x).squeeze(-1)
                 loss = 0.5 * (out - y).pow(2).mean() / acc
@@ -138,6 +155,8 @@ def train(
             clip_norms.append(float(norm))
         if not rec.dropped:
             optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         records.append(record_dict(rec))
         if log is not None:
@@ -147,19 +166,23 @@ def train(
 
 def reference_run(
     *, steps: int, dp_size: int, nan_at: tuple[int, int] | None = None, available: Any = None,
-    start_accumulation: int = START_ACCUMULATION, clip: float | None = None,
+    start_accumulation: int = START_ACCUMULATION, clip: float | None = None, schedule: bool = False,
 ) -> dict[str, Any]:
-    """One process, no ``torch.distributed``: the microbatches of all DP ranks in one window."""
+    """One process, no ``torch.distributed``: the microbatches of all DP ranks in one window.
+
+    ``schedule``: the ``*_schedule`` scenarios' run (a ``BatchSchedule``, an LR scheduler, fixed sizes)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = make_scheduler(opt) if schedule else None
     tracker = CBSTracker(
         model, opt, accumulation_steps=start_accumulation * dp_size, unit="samples",
-        estimator=make_estimator(), controller=make_controller(),
+        estimator=make_estimator(), controller=make_schedule() if schedule else make_controller(),
+        lr_scheduler=scheduler,
     )
     clip_norms: list[float] = []
     records = train(
         model, tracker, opt, steps=steps, dp_rank=None, dp_size=dp_size, nan_at=nan_at, available=available,
-        clip=clip, clip_norms=clip_norms,
+        clip=clip, clip_norms=clip_norms, scheduler=scheduler, fixed_rows=FIXED_ROWS if schedule else None,
     )
     return {"records": records, "params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
             "clip_norms": clip_norms}
@@ -325,6 +348,22 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
         payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world, nan_at=nan_at)
         payload["params"] = _full_params(model)
         payload["hooks"] = tracker.collector.num_hooks
+    elif name in ("ddp_schedule", "fsdp_schedule"):
+        if name == "ddp_schedule":
+            model = nn.parallel.DistributedDataParallel(make_model())
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            scheduler = make_scheduler(opt)
+            tracker = CBSTracker(model, opt, accumulation_steps=acc, unit="samples", estimator=make_estimator(),
+                                 controller=make_schedule(), lr_scheduler=scheduler)
+        else:
+            model = _fsdp_model()
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            scheduler = make_scheduler(opt)
+            tracker = FSDPTracker(model, opt, accumulation_steps=acc, unit="samples", estimator=make_estimator(),
+                                  controller=make_schedule(), lr_scheduler=scheduler)
+        payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world,
+                                   scheduler=scheduler, fixed_rows=FIXED_ROWS)
+        payload["params"] = _full_params(model.module if name == "ddp_schedule" else model)
     elif name == "fsdp_bf16":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

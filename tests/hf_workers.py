@@ -112,19 +112,25 @@ def window_checker(model: Regression, trainer_ref: list[Any]) -> Any:
     return Check()
 
 
-def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: dict[int, int]) -> None:
-    """One rank of a 2-process gloo ``CBSTrainer`` run with a planned growth; writes ``rank{r}.pt``."""
+def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: Any) -> None:
+    """One rank of a 2-process gloo ``CBSTrainer`` run with a planned growth; writes ``rank{r}.pt``.
+
+    ``plan``: ``{step: accumulation}`` (a ``PlanController``) or a tuple of ``(samples, batch)``
+    marks (a ``BatchSchedule``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from cbs_tracker.integrations.transformers import CBSTrainer
 
+    from cbs_tracker import BatchSchedule
+
+    controller = PlanController(plan) if isinstance(plan, dict) else BatchSchedule(plan)
     model = Regression(seed=0)
     ref: list[Any] = []
     check = window_checker(model, ref)
-    args = training_args(os.path.join(out_dir, "run"), ddp_backend="gloo", num_train_epochs=2)
+    args = training_args(os.path.join(out_dir, "run"), ddp_backend="gloo", num_train_epochs=2 if isinstance(plan, dict) else 3)
     trainer = CBSTrainer(model=model, args=args, train_dataset=regression_data(n), unit="samples",
-                         controller=PlanController(plan), callbacks=[check], lr_coupling="keep")
+                         controller=controller, callbacks=[check], lr_coupling="keep")
     ref.append(trainer)
     trainer.train()
     rows = [{k: v for k, v in r.items() if k != "record"} | {"record": vars(r["record"])} for r in check.rows]

@@ -233,3 +233,28 @@ class GradCheck(pl.Callback):
             dropped=self.cbs.last_record.dropped,
         ))
         self.window = []
+
+
+class SavedGradCheck(GradCheck):
+    """:class:`GradCheck` whose rows (and each step's record) each rank saves as ``rank{r}.pt`` at the end of fit."""
+
+    def __init__(self, cbs: Any, out_dir: str) -> None:
+        super().__init__(cbs)
+        self.out_dir = out_dir
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        self.rows[-1]["record"] = asdict(self.cbs.last_record)
+        self.rows[-1]["batch_idx"] = trainer.fit_loop.epoch_loop.batch_idx
+
+    def on_fit_end(self, trainer, pl_module):
+        torch.save(self.rows, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+class LambdaRegression(Regression):
+    """Adam and a step scheduler whose length does not depend on max_epochs (a resumed fit stays comparable)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.1 * e))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

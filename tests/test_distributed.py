@@ -46,7 +46,7 @@ STEPS = 10
 RTOL = 1e-9  # see the module docstring
 TWO_RANK = [
     "ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "ddp_device_path", "fsdp_last", "fsdp_every", "ddp_nonfinite", "fsdp_nonfinite",
-    "fsdp_bf16", "manual_ranout", "errors_2",
+    "fsdp_bf16", "manual_ranout", "errors_2", "ddp_schedule", "fsdp_schedule",
 ]
 FOUR_RANK = ["mesh_ddp_dp_tp", "mesh_fsdp_dp_tp", "mesh_hsdp", "errors_4"]
 MEASURED = ("noise_scale", "grad_sq_norm", "trace_cov")
@@ -128,6 +128,31 @@ def test_two_ranks_match_single_process(two_ranks, name):
         assert all(r["grad_sq_norm"] is not None for r in ref["records"])
         assert sum(r["noise_scale"] is not None for r in ref["records"]) >= STEPS // 2
     assert_same_run(two_ranks[name], ref, 2)
+
+
+@pytest.mark.parametrize("name", ["ddp_schedule", "fsdp_schedule"])
+def test_a_batch_schedule_on_two_ranks_matches_one_process_and_the_constant_runs_lr(two_ranks, name):
+    # a gradual schedule (per rank A = 2, 3, 4, 6: not powers of two) with an LR scheduler; truths: the
+    # schedule's marks, the single process running both ranks' microbatches, the bare scheduler
+    ref = dw.reference_run(steps=STEPS, dp_size=2, schedule=True)
+    assert_same_run(two_ranks[name], ref, 2)
+    schedule = dw.make_schedule()
+    records = two_ranks[name][0]["records"]
+    assert sorted({r["accumulation_steps"] for r in records}) == [2, 3, 4, 6]
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=dw.LR)
+    const = dw.make_scheduler(opt)
+    const_lr = []
+    for _ in range(40):
+        const_lr.append(opt.param_groups[0]["lr"])
+        opt.step()
+        const.step()
+    seen = 0
+    start = schedule.marks[0][1]
+    for r in records:
+        assert r["global_batch"] == schedule.batch_at(seen) == r["accumulation_steps"] * 2 * dw.FIXED_ROWS
+        # SGD: LR x B / B0, on the constant run's clock at the same data
+        assert r["lr"] == pytest.approx(const_lr[int(seen // start)] * r["global_batch"] / start, rel=1e-12)
+        seen += r["global_batch"]
 
 
 def _readme_tracker_collective_bytes() -> int:

@@ -153,6 +153,8 @@ class TrackingSession:
         self.cap_lr_at_peak = cap_lr_at_peak
         self.logger = logger
         self._warn_fn = warn
+        if callable(getattr(controller, "bind", None)):  # a BatchSchedule checks its marks against the layout
+            controller.bind(owner=owner, dp_degree=int(dp_degree), starting_accumulation=int(starting_accumulation))
         self.cadence = MeasureCadence(measure_every, measure_target, owner=owner)
         self._last_finish: float | None = None
         #: warn when the learning rate was changed between two steps by someone else (plain loops)
@@ -167,6 +169,8 @@ class TrackingSession:
         self.step = 0
         self.units_seen = 0.0
         self.starting_batch_steps = 0
+        #: microbatches per rank of the last whole windows not yet a whole starting-batch step
+        self.starting_batch_carry = 0.0
         self.accumulation_steps = self.starting_accumulation
         #: the data loader's batches that make one microbatch in the current window (the plain
         #: loop's microbatch-first layout; 1 elsewhere): the batch level is in loader batches
@@ -292,14 +296,15 @@ class TrackingSession:
         faults = faults or WindowFaults()
         self._check_faults(stats, faults, window_accumulation, mismatch_is_fatal)
         run = faults.microbatches_run or stats.num_microbatches
-        self._advance(stats, run)
+        self._advance(stats, run, window_accumulation)
         measured = stats.measured
         estimate = self._estimate(stats, window_accumulation, estimate_allowed and measured)
         interval = getattr(self.estimator, "noise_scale_interval", None)
         low, high = interval if interval is not None else (None, None)
-        if measured:
-            critical = self._decide(stats, window_accumulation, low, high)
-        else:  # the controller decides on measured windows only
+        if measured or getattr(self.controller, "every_window", False):
+            # a schedule decides at every window (it needs no measurement); a controller on measured ones
+            critical = self._decide(stats, window_accumulation, low, high, measured=measured)
+        else:
             self.changed_this_step = False
             critical = getattr(self.last_decision, "critical_batch", None)
         if start is not None:
@@ -402,10 +407,27 @@ class TrackingSession:
             )
         self.warn_once("window_mismatch", message + " This step is measured with the microbatches it ran.")
 
-    def _advance(self, stats: StepStats, run: int) -> None:
-        """Count the step, its units and the starting-batch steps it held (the schedule's position)."""
+    def _advance(self, stats: StepStats, run: int, window_accumulation: int) -> None:
+        """Count the step, its units and the starting-batch steps it held (the schedule's position).
+
+        A whole window of ``k >= A0`` microbatches holds ``floor((carry + k) / A0)`` starting-batch
+        steps and carries the rest (a batch that is not a multiple of the starting one, a gradual
+        ramp: the position is the constant run's at the same data, to within one of its steps); a
+        short window (an epoch's last) rounds up, as the constant run's own short step does; a
+        window below the starting batch holds one.
+        """
+        a0 = self.starting_accumulation
         k_per_rank = run / max(self.dp_degree, 1) * self.micro_group
-        held = max(1, math.ceil(k_per_rank / self.starting_accumulation - 1e-9)) if k_per_rank > 0 else 1
+        whole = k_per_rank >= int(window_accumulation) * self.micro_group - 1e-9
+        if k_per_rank >= a0 - 1e-9 and whole:
+            total = self.starting_batch_carry + k_per_rank
+            held = int(math.floor(total / a0 + 1e-9))
+            self.starting_batch_carry = max(0.0, total - held * a0) if abs(total - held * a0) > 1e-9 else 0.0
+        elif k_per_rank >= a0 - 1e-9 or (k_per_rank > 0 and self.starting_batch_carry > 0):
+            held = max(1, math.ceil((self.starting_batch_carry + k_per_rank) / a0 - 1e-9))
+            self.starting_batch_carry = 0.0
+        else:
+            held = 1
         self.step += 1
         self.units_seen += stats.units
         self.starting_batch_steps += held
@@ -432,8 +454,11 @@ class TrackingSession:
             )
         return None
 
-    def _decide(self, stats: StepStats, window_accumulation: int, low: float | None, high: float | None) -> float | None:
-        """Ask the controller (not on a step without units); a change becomes pending. Returns its target."""
+    def _decide(self, stats: StepStats, window_accumulation: int, low: float | None, high: float | None, *,
+                measured: bool = True) -> float | None:
+        """Ask the controller (not on a step without units); a change becomes pending. Returns its target.
+
+        A window that was not measured (a schedule decides at every window) passes no noise scale."""
         self.changed_this_step = False
         if self.controller is None or stats.units <= 0:
             return None
@@ -442,10 +467,13 @@ class TrackingSession:
             tokens_seen=self.units_seen,
             global_batch=stats.units,
             accumulation_steps=int(window_accumulation) * self.micro_group,
-            noise_scale=self.estimator.noise_scale,
-            **self._optional_update_kwargs(low, high),
+            noise_scale=self.estimator.noise_scale if measured else None,
+            **self._optional_update_kwargs(low if measured else None, high if measured else None),
         )
         self.last_decision = decision
+        warning = getattr(decision, "warning", None)
+        if warning:
+            self.warn_once("controller_warning", warning)
         if decision.changed and not getattr(self.controller, "observe_only", False):
             new = int(decision.accumulation_steps)
             self.pending_accumulation = new if new != self.accumulation_steps else None
@@ -562,6 +590,7 @@ class TrackingSession:
             "step": self.step,
             "tokens_seen": self.units_seen,
             "starting_batch_steps": self.starting_batch_steps,
+            "starting_batch_carry": self.starting_batch_carry,
             "starting_accumulation": self.starting_accumulation,
             "accumulation_steps": self.accumulation_steps,
             "pending_accumulation_steps": 0 if self.pending_accumulation is None else self.pending_accumulation,
@@ -617,6 +646,7 @@ class TrackingSession:
         pending = _int(state, "pending_accumulation_steps", where, minimum=0, default=0)
         start = _int(state, "starting_accumulation", where, minimum=1, default=self.starting_accumulation)
         sb_steps = _int(state, "starting_batch_steps", where, minimum=0, default=step)
+        sb_carry = _float(state, "starting_batch_carry", where, minimum=0.0, default=0.0)
         coupling = _float(state, "lr_coupling", where, minimum=0.0, default=1.0, positive=True)
         if "pending_lr_factor" in state:  # version 1: a factor waiting for the next window
             _float(state, "pending_lr_factor", where, minimum=0.0, positive=True)
@@ -646,6 +676,7 @@ class TrackingSession:
         self.step = step
         self.units_seen = seen
         self.starting_batch_steps = sb_steps
+        self.starting_batch_carry = sb_carry
         self.starting_accumulation = start
         self.accumulation_steps = accumulation
         self.pending_accumulation = pending if pending > 0 else None

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from cbs_tracker.policy._state import StateReader
 from cbs_tracker.policy.conversion import LRDecayConversion
 from cbs_tracker.policy.guard import FeedbackGuard
-from cbs_tracker.policy.kappa import KappaSchedule
+from cbs_tracker.policy.kappa import KappaSchedule, parse_kappa
 from cbs_tracker.policy.level import BatchLevel
 from cbs_tracker.policy.plan import BudgetPlan
 from cbs_tracker.policy.rules import GrowthRules
@@ -58,6 +58,9 @@ class Decision:
             (``None`` without a budget).
         lr_conversions: doublings made so far in place of a halving of the scheduled
             learning rate (``convert_lr_decay=True``; 0 otherwise).
+        warning: a message for the adapter to show once (a
+            :class:`~cbs_tracker.policy.batch_schedule.BatchSchedule` that ran above the
+            measured critical batch); ``None`` otherwise.
     """
 
     step: int
@@ -71,6 +74,7 @@ class Decision:
     feedback_trap: bool = False
     planned_batch: float | None = None
     lr_conversions: int = 0
+    warning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -209,9 +213,7 @@ class BatchSizeController:
         convert_lr_decay: bool = False,
         conversion_kappa: float = 1.0,
     ) -> None:
-        self._kappa_schedule = self._check_kappa(kappa)
-        self._kappa_now = (float(kappa) if self._kappa_schedule is None  # type: ignore[arg-type]
-                           else self._kappa_schedule.value_at(0.0))
+        self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
         _check_number("conversion_kappa", conversion_kappa)
         _check_number("min_batch", min_batch, allow_none=True)
         _check_number("max_batch", max_batch, allow_none=True)
@@ -289,21 +291,6 @@ class BatchSizeController:
         self._conversion = LRDecayConversion()
 
     # ------------------------------------------------------------------ kappa
-    @staticmethod
-    def _check_kappa(kappa: Any) -> KappaSchedule | None:
-        if isinstance(kappa, KappaSchedule):
-            return KappaSchedule(kappa.points)  # a copy: points added here do not reach the caller's
-        if isinstance(kappa, (list, tuple)):
-            try:
-                return KappaSchedule(kappa)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"BatchSizeController(kappa={kappa!r}): {exc}") from None
-        if isinstance(kappa, bool) or not isinstance(kappa, (int, float)):
-            raise TypeError(f"BatchSizeController(kappa={kappa!r}): expected a number, a KappaSchedule or a "
-                            "list of (tokens, kappa) pairs")
-        _check_number("kappa", kappa)
-        return None
-
     @property
     def kappa(self) -> float:
         """``kappa`` in force: the constant, or the measured schedule's value at the last update's units."""
@@ -320,9 +307,9 @@ class BatchSizeController:
 
     def set_kappa(self, kappa: float | KappaSchedule | list[tuple[float, float]]) -> None:
         """Replace ``kappa`` (a constant or a measured schedule); it takes effect at the next update."""
-        self._kappa_schedule = self._check_kappa(kappa)
-        self._kappa_now = (float(kappa) if self._kappa_schedule is None  # type: ignore[arg-type]
-                           else self._kappa_schedule.value_at(self._level.last_tokens))
+        self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
+        if self._kappa_schedule is not None:
+            self._kappa_now = self._kappa_schedule.value_at(self._level.last_tokens)
 
     def add_kappa_point(self, tokens: float, kappa: float) -> None:
         """Add one measured ``kappa`` (a calibration during the run): from ``tokens`` on, the

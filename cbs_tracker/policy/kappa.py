@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["KappaSchedule"]
+__all__ = ["KappaSchedule", "parse_kappa"]
 
 
 def _check_point(owner: str, tokens: Any, kappa: Any) -> tuple[float, float]:
@@ -97,3 +97,30 @@ class KappaSchedule:
         return isinstance(other, KappaSchedule) and other._points == self._points
 
     __hash__ = None  # type: ignore[assignment]  (mutable through add)
+
+
+def parse_kappa(kappa: Any, owner: str) -> tuple[KappaSchedule | None, float]:
+    """``kappa`` as given to a controller or a schedule: ``(schedule, constant)``.
+
+    A number gives ``(None, kappa)``; a :class:`KappaSchedule` (copied, so that points added
+    later do not reach the caller's) or a list of ``(tokens, kappa)`` pairs gives
+    ``(schedule, its first value)``.
+
+    Raises:
+        TypeError / ValueError: naming ``owner(kappa=...)``.
+    """
+    if isinstance(kappa, KappaSchedule):
+        schedule = KappaSchedule(kappa.points)
+        return schedule, schedule.value_at(0.0)
+    if isinstance(kappa, (list, tuple)):
+        try:
+            schedule = KappaSchedule(kappa)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{owner}(kappa={kappa!r}): {exc}") from None
+        return schedule, schedule.value_at(0.0)
+    if isinstance(kappa, bool) or not isinstance(kappa, (int, float)):
+        raise TypeError(f"{owner}(kappa={kappa!r}): expected a number, a KappaSchedule or a list of (tokens, kappa) "
+                        "pairs")
+    if not math.isfinite(kappa) or kappa <= 0:
+        raise ValueError(f"{owner}(kappa={kappa!r}): must be finite and > 0")
+    return None, float(kappa)
