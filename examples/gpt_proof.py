@@ -168,48 +168,13 @@ def ramp_batch(setting: Setting, tokens_seen: float) -> int:
     return setting.ramp[-1][0]
 
 
-class HandRamp:
-    """A fixed batch schedule by tokens, handed to ``CBSTracker`` as its controller.
-
-    ``CBSTracker(controller=...)`` accepts anything with ``BatchSizeController.update``'s
-    signature; this one ignores the measurement and returns the accumulation of the
-    hand ramp at the tokens seen, so the hand-ramp run measures and logs exactly as
-    the tracker runs do.
-    """
-
-    def __init__(self, setting: Setting, micro_tokens: int) -> None:
-        self.setting = setting
-        self.micro_tokens = micro_tokens
-
-    def update(
-        self,
-        *,
-        step: int,
-        tokens_seen: float,
-        global_batch: float,
-        accumulation_steps: int,
-        noise_scale: float | None,
-    ) -> Any:
-        from cbs_tracker.policy.controller import Decision
-
-        batch = ramp_batch(self.setting, tokens_seen)
-        accumulation = batch // self.micro_tokens
-        return Decision(
-            step=step,
-            accumulation_steps=accumulation,
-            global_batch=float(batch),
-            changed=accumulation != accumulation_steps,
-            critical_batch=None,
-            decision_noise_scale=None,
-            lr_factor=1.0,
-            reason="hand ramp",
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+def ramp_marks(setting: Setting) -> list[tuple[float, int]]:
+    """The hand ramp as ``(tokens, global batch)`` marks: each batch from where the fractions before it end."""
+    marks, edge = [], 0.0
+    for batch, fraction in setting.ramp:
+        marks.append((edge, batch))
+        edge += fraction * setting.budget_tokens
+    return marks
 
 
 def start_and_micro(spec: RunSpec, setting: Setting) -> tuple[int, int]:
@@ -244,7 +209,10 @@ def make_controller(spec: RunSpec, setting: Setting, micro_tokens: int) -> Any:
     if spec.schedule == "constant":
         return None
     if spec.schedule == "hand_ramp":
-        return HandRamp(setting, micro_tokens)
+        # the library's batch schedule in tokens (it measures and logs exactly as the tracker runs do)
+        from cbs_tracker import BatchSchedule
+
+        return BatchSchedule(ramp_marks(setting), microbatch=micro_tokens)
     if spec.schedule == "tracker_default":
         return BatchSizeController()
     if spec.schedule == "tracker_budget":
@@ -256,6 +224,9 @@ def controller_config(controller: Any) -> dict[str, Any]:
     """The public settings of a run's controller (a result is reused only while they are unchanged)."""
     if controller is None:
         return {}
+    marks = getattr(controller, "marks", None)
+    if marks is not None:  # a BatchSchedule: its marks and microbatch decide how the run trains
+        return {"marks": [[t, b] for t, b in marks], "microbatch": controller.microbatch}
     config = {
         k: v for k, v in sorted(vars(controller).items())
         if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))
