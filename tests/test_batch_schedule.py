@@ -242,8 +242,8 @@ def test_a_resume_mid_schedule_continues_at_the_right_batch_and_a_run_replays_as
 def test_the_schedule_warns_once_when_it_runs_far_above_the_measured_critical_batch():
     # the noise scale of this regression settles near 1,800 units: the starting batch (512) stays below
     # kappa x B_simple and is quiet, a schedule to 8,192 (about 9 x kappa x B_simple) warns, once, after 8 measured steps there
-    def run(marks):
-        model, opt, sched, tracker = _build(BatchSchedule(marks, warn_after=8))
+    def run(marks, **kw):
+        model, opt, sched, tracker = _build(BatchSchedule(marks, warn_after=8, **kw))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _train(model, opt, sched, tracker, until_units=100_000, rows=[])
@@ -255,3 +255,50 @@ def test_the_schedule_warns_once_when_it_runs_far_above_the_measured_critical_ba
     loud, noise = run([(0, 512), (4096, 8192)])
     assert len(loud) == 1 and 8192 > 4 * 0.5 * noise
     assert "above the critical batch" in loud[0] and "batch of 8,192" in loud[0] and "kappa=0.5" in loud[0]
+    # a measured kappa (a calibration's points) replaces the constant: at kappa 20 the same schedule is below
+    calm, _ = run([(0, 512), (4096, 8192)], kappa=[(0, 20.0), (1e6, 20.0)])
+    assert calm == []
+
+
+def test_a_controllers_growth_logged_to_tensorboard_replays_as_a_schedule(tmp_path):
+    # a real BatchSizeController grows the batch; its TensorBoard log, read back as a schedule, makes a
+    # new run take the same batches at the same units (truth: the controller's own run)
+    from cbs_tracker import BatchSizeController, TensorBoardLogger
+
+    def build(controller, logger=None):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 1).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        return model, opt, CBSTracker(model, opt, accumulation_steps=A0, unit="tokens", controller=controller,
+                                      logger=logger)
+
+    def run(model, opt, tracker, n=60):
+        rows = []
+        for step in range(n):
+            acc = tracker.accumulation_steps
+            for j in range(acc):
+                with tracker.microbatch(size=MICRO):
+                    (_loss(model, *_data(step, j)) / acc).backward()
+            rows.append((tracker.session.units_seen, acc))
+            tracker.step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return rows
+
+    controller = BatchSizeController(kappa=4.0, warmup_steps=5, warmup_tokens=0, cooldown_tokens=0, patience=2,
+                                     window=3, feedback_guard=False, max_batch=8 * B0)
+    with TensorBoardLogger(tmp_path / "run", flush_secs=1) as logger:
+        grown = run(*build(controller, logger))
+    assert len({a for _, a in grown}) >= 3  # it grew at least twice
+    replay = BatchSchedule.from_tensorboard(str(tmp_path / "run"))
+    assert replay.marks[0] == (0, B0) and len(replay.marks) == len({a for _, a in grown})
+    assert run(*build(replay)) == grown
+
+
+def test_observe_only_reports_the_schedule_and_changes_nothing():
+    schedule = BatchSchedule.ramp(**RAMP, observe_only=True)
+    model, opt, sched, tracker = _build(schedule)
+    rows: list = []
+    _train(model, opt, sched, tracker, until_units=8_000, rows=rows)
+    assert {a for _, a, _, _, _ in rows} == {A0}
+    assert tracker.session.last_decision.planned_batch == schedule.batch_at(rows[-1][0] + rows[-1][4]) > B0
