@@ -236,3 +236,31 @@ def test_the_hand_ramp_as_a_batch_schedule_reproduces_the_hand_written_one(quick
     assert ref_trace == trace and len(trace["step"]) > 10
     assert reference["evals"]["val_loss"] == schedule_run["evals"]["val_loss"]
     assert (reference["steps"], reference["tokens"]) == (schedule_run["steps"], schedule_run["tokens"])
+
+
+def test_the_schedule_warns_on_the_demo_gpt_where_it_runs_far_above_the_measured_noise_scale(
+        quick_run: Path, tmp_path: Path, monkeypatch) -> None:
+    # The quick setting's 1-layer GPT measures B_simple of a few hundred tokens. A schedule made to run far
+    # above it (1,024 tokens from 4,096 on) warns once, naming the tokens and both numbers, and its
+    # kappa x B_simple is what the run's own trace logged there; the quick hand ramp (256 -> 512 -> 1,024,
+    # too few steps above it for the default warn_after=32) does not
+    import re
+
+    from cbs_tracker import BatchSchedule
+
+    quiet = json.loads((quick_run / "runs" / "hand_ramp_seed0.json").read_text())
+    assert not [w for w in quiet["warnings"] if "BatchSchedule:" in w]
+    monkeypatch.setattr(proof, "make_controller", lambda spec, setting, micro: BatchSchedule(
+        [(0, 256), (4096, 1024)], microbatch=micro, warn_after=8))
+    run = proof.train_run(proof.RunSpec("hand_ramp", 0), proof.QUICK, tmp_path)
+    found = [w for w in run["warnings"] if "BatchSchedule:" in w]
+    assert len(found) == 1, run["warnings"]
+    m = re.search(r"from ([\d,]+) to ([\d,]+) units .* a batch of ([\d,]+), .*90% interval = ([\d,]+) "
+                  r"\(kappa x B_simple = ([\d,]+)\)", found[0])
+    assert m, found[0]
+    start, end, batch, bound, critical = (int(g.replace(",", "")) for g in m.groups())
+    assert batch == 1024 and critical * 4 <= batch and critical <= bound < batch and 4096 <= start < end
+    trace = run["trace"]
+    at = max(i for i, t in enumerate(trace["tokens"]) if t <= end)
+    # (the trace samples every 1,024 tokens, the smoothed estimate moves between samples: within 50%)
+    assert critical == pytest.approx(0.5 * trace["noise_scale"][at], rel=0.5)

@@ -71,8 +71,9 @@ class BatchSchedule:
             :class:`~cbs_tracker.policy.kappa.KappaSchedule` or ``(tokens, kappa)`` pairs
             (a calibration's measured ``kappa``, ``Calibration.kappa_schedule()``).
         warn_after: measured steps in a row the batch must run above ``kappa x`` the upper
-            end of the noise scale's 90% interval before the warning (default 32). It also
-            needs that stretch to hold ``warn_fraction`` of the units seen.
+            end of the noise scale's 90% interval (and above the starting batch, which the
+            adapter sets, not the schedule) before the warning (default 32). It also needs
+            that stretch to hold ``warn_fraction`` of the units seen.
         warn_fraction: the share of the units seen so far that the stretch must hold
             (default 0.05).
         warn: ``False`` turns the warning off.
@@ -312,7 +313,8 @@ class BatchSchedule:
         if not (self.warn and measured) or high is None or not math.isfinite(high):
             return None
         bound = self.kappa * float(high)
-        if batch <= bound:
+        # the starting batch is the adapter's, not the schedule's: only a batch the schedule raised is judged
+        if batch <= bound or batch <= self._a0 * (self._slot or 0.0) * (1 + 1e-9):
             self._above_steps, self._above_since = 0, None
             return None
         if self._above_since is None:
