@@ -107,6 +107,7 @@ def train(
     clip_norms: list[float] | None = None,
     scheduler: Any = None,
     fixed_rows: int | None = None,
+    first_step: int = 0,
 ) -> list[dict[str, Any]]:
     """The loop shared by the distributed ranks and the single-process reference.
 
@@ -118,10 +119,11 @@ def train(
     ``clip``: clip the step's gradient to this norm, through ``tracker.clip_grad_norm_`` on
     the ranks and ``torch.nn.utils.clip_grad_norm_`` in the reference (norms into ``clip_norms``).
     ``scheduler``: stepped after each optimizer step. ``fixed_rows``: every microbatch keeps
-    only its first rows (data of fixed size, for the batch schedules).
+    only its first rows (data of fixed size, for the batch schedules). ``first_step``: the data
+    index of the first step (a resumed run continues the data where it stopped).
     """
     records = []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         acc = tracker.accumulation_steps
         if dp_rank is None:
             per_rank = acc // dp_size
@@ -364,6 +366,8 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
         payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world,
                                    scheduler=scheduler, fixed_rows=FIXED_ROWS)
         payload["params"] = _full_params(model.module if name == "ddp_schedule" else model)
+        if name == "ddp_schedule":  # a resume mid-schedule: half the run, a checkpoint, new objects, the rest
+            payload["resumed"] = _resumed_schedule_run(rank, world, steps)
     elif name == "fsdp_bf16":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -395,6 +399,36 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
     else:
         raise ValueError(f"unknown scenario {name!r}")
     _save(out_dir, name, rank, payload)
+
+
+def _resumed_schedule_run(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
+    """The ``ddp_schedule`` run stopped after half its steps, checkpointed, rebuilt and resumed: its records."""
+
+    def build(state: dict[str, Any] | None = None) -> tuple[Any, Any, Any, Any]:
+        model = nn.parallel.DistributedDataParallel(make_model())
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        scheduler = make_scheduler(opt)
+        if state is not None:
+            model.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            scheduler.load_state_dict(state["sched"])
+        tracker = CBSTracker(model, opt, accumulation_steps=START_ACCUMULATION, unit="samples",
+                             estimator=make_estimator(), controller=make_schedule(), lr_scheduler=scheduler)
+        if state is not None:
+            tracker.load_state_dict(state["tracker"])
+        return model, opt, scheduler, tracker
+
+    model, opt, scheduler, tracker = build()
+    half = steps // 2
+    first = train(model, tracker, opt, steps=half, dp_rank=rank, dp_size=world, scheduler=scheduler,
+                  fixed_rows=FIXED_ROWS)
+    state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "sched": scheduler.state_dict(),
+             "tracker": tracker.state_dict()}
+    model, opt, scheduler, tracker = build(state)
+    # the resumed half continues the data where the first stopped
+    rest = train(model, tracker, opt, steps=steps - half, dp_rank=rank, dp_size=world, scheduler=scheduler,
+                 fixed_rows=FIXED_ROWS, first_step=half)
+    return first + rest
 
 
 def ranout_available(step: int, dp_rank: int, index: int) -> bool:

@@ -128,7 +128,9 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: Any
     model = Regression(seed=0)
     ref: list[Any] = []
     check = window_checker(model, ref)
-    args = training_args(os.path.join(out_dir, "run"), ddp_backend="gloo", num_train_epochs=2 if isinstance(plan, dict) else 3)
+    # a batch schedule: three epochs and a linear LR decay (its timing in starting-batch steps is checked)
+    sched = {} if isinstance(plan, dict) else {"num_train_epochs": 3, "lr_scheduler_type": "linear"}
+    args = training_args(os.path.join(out_dir, "run"), ddp_backend="gloo", **({"num_train_epochs": 2} | sched))
     trainer = CBSTrainer(model=model, args=args, train_dataset=regression_data(n), unit="samples",
                          controller=controller, callbacks=[check], lr_coupling="keep")
     ref.append(trainer)

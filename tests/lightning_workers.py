@@ -246,6 +246,7 @@ class SavedGradCheck(GradCheck):
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         self.rows[-1]["record"] = asdict(self.cbs.last_record)
         self.rows[-1]["batch_idx"] = trainer.fit_loop.epoch_loop.batch_idx
+        self.rows[-1]["lr"] = float(optimizer.param_groups[0]["lr"])
 
     def on_fit_end(self, trainer, pl_module):
         torch.save(self.rows, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))

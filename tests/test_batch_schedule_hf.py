@@ -102,3 +102,9 @@ def test_the_schedule_on_two_gloo_processes(tmp_path):
         torch.testing.assert_close(a["got"], (a["mean"] + b["mean"]) / 2, rtol=1e-5, atol=1e-6)
         assert a["record"] == b["record"]
     assert sorted({r["setting"] for r in r0}) == [2, 4, 6, 8]
+    # lr_coupling="keep": the LR is the constant run's linear decay (24 starting-batch steps of 8 samples)
+    # at the same data, exactly
+    for r in r0:
+        rec = r["record"]
+        position = int((rec["tokens_seen"] - rec["global_batch"]) // (2 * B0))
+        assert rec["lr"] == pytest.approx(0.05 * (24 - position) / 24, rel=1e-12, abs=1e-15), position

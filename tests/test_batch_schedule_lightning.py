@@ -144,6 +144,16 @@ def test_the_schedule_on_two_ddp_spawn_ranks(tmp_path):
         torch.testing.assert_close(a["got"], (a["mean"] + b["mean"]) / 2 * (k / acc), rtol=1e-5, atol=1e-6)
         rec = a["record"]
         assert rec["dp_degree"] == 2 and rec["global_batch"] == 2 * ROWS * k
-        rows.append((rec["tokens_seen"] - rec["global_batch"], acc, a["batch_idx"] + 1 - k, None))
+        rows.append((rec["tokens_seen"] - rec["global_batch"], acc, a["batch_idx"] + 1 - k, a["lr"]))
     assert sorted({acc for _, acc, _, _ in rows}) == [2, 4, 6, 12]
     assert _check_rule([(t / 2, acc, s, lr) for t, acc, s, lr in rows]) >= 3
+    # the LR: the constant run's (the bare scheduler, one step per starting batch of 2 x B0) x sqrt(A / A0)
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    bare = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.1 * e))
+    const_lr = []
+    for _ in range(64):
+        const_lr.append(opt.param_groups[0]["lr"])
+        opt.step()
+        bare.step()
+    for before, acc, _, lr in rows:
+        assert lr == pytest.approx(const_lr[int(before // (2 * B0))] * math.sqrt(acc / A0), rel=1e-9), before

@@ -153,6 +153,10 @@ def test_a_batch_schedule_on_two_ranks_matches_one_process_and_the_constant_runs
         # SGD: LR x B / B0, on the constant run's clock at the same data
         assert r["lr"] == pytest.approx(const_lr[int(seen // start)] * r["global_batch"] / start, rel=1e-12)
         seen += r["global_batch"]
+    if name == "ddp_schedule":  # checkpointed after 5 steps (A = 3 in force), rebuilt, resumed: the same run
+        for rank in two_ranks[name]:
+            assert records[4]["accumulation_steps"] == 3
+            assert rank["resumed"] == records
 
 
 def _readme_tracker_collective_bytes() -> int:

@@ -159,7 +159,8 @@ class Calibration:
 
     def batch_schedule(self, start_batch: float) -> list[tuple[float, float]]:
         """``(tokens, global batch)`` marks: from ``start_batch``, double at each point where the
-        measured critical batch (its low end) is at least twice the batch (OLMo's recipe)."""
+        measured critical batch (its low end) is at least twice the batch (OLMo's recipe).
+        ``BatchSchedule(calibration.batch_schedule(B0))`` runs them."""
         if not (isinstance(start_batch, (int, float)) and start_batch > 0):
             raise ValueError(f"Calibration.batch_schedule(start_batch={start_batch!r}): must be a number > 0")
         batch, marks = float(start_batch), [(0.0, float(start_batch))]

@@ -135,7 +135,8 @@ class ScheduleTimer:
     """Keeps a step-sized LR scheduler on its token timing and applies the batch-size coupling.
 
     Every batch the controller allows is ``B0 * 2**e``, so one optimizer step at the
-    accumulation ``A0 * 2**e`` holds the units of ``2**e`` steps at the starting batch.
+    accumulation ``A0 * 2**e`` holds the units of ``2**e`` steps at the starting batch
+    (a batch schedule's other multiples carry their part-steps, see the session).
     Each call of the scheduler's ``step()`` (by the user's loop, Lightning or the
     Hugging Face ``Trainer``, once per optimizer step as usual) advances it by the
     starting-batch steps owed since the last call (:meth:`owe`), so any torch
