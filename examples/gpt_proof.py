@@ -168,6 +168,33 @@ def ramp_batch(setting: Setting, tokens_seen: float) -> int:
     return setting.ramp[-1][0]
 
 
+class HandRampController:
+    """The hand ramp as the proof wrote it before ``BatchSchedule`` existed: a controller returning the
+    accumulation of :func:`ramp_batch` at the tokens seen. Kept as the reference the schedule must
+    reproduce (``tests/test_gpt_proof.py``, ``benchmarks/schedule_handramp.py``)."""
+
+    observe_only = False
+
+    def __init__(self, setting: Setting, micro_tokens: int) -> None:
+        self.setting, self.micro_tokens = setting, micro_tokens
+
+    def update(self, *, step: int, tokens_seen: float, global_batch: float, accumulation_steps: int,
+               noise_scale: float | None) -> Any:
+        from cbs_tracker.policy.controller import Decision
+
+        batch = ramp_batch(self.setting, tokens_seen)
+        acc = batch // self.micro_tokens
+        return Decision(step=step, accumulation_steps=acc, global_batch=float(batch),
+                        changed=acc != accumulation_steps, critical_batch=None, decision_noise_scale=None,
+                        lr_factor=1.0, reason="hand ramp")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 def ramp_marks(setting: Setting) -> list[tuple[float, int]]:
     """The hand ramp as ``(tokens, global batch)`` marks: each batch from where the fractions before it end."""
     marks, edge = [], 0.0

@@ -195,38 +195,13 @@ def test_results_of_another_setting_or_controller_are_not_reused(quick_run: Path
     assert proof._load_result(path, proof.QUICK) is None
 
 
-class _HandRamp:
-    """The proof's hand ramp as it was written before ``BatchSchedule``: a controller that returns the
-    accumulation of ``ramp_batch`` at the tokens seen (the reference the schedule must reproduce)."""
-
-    observe_only = False
-
-    def __init__(self, setting, micro_tokens: int) -> None:
-        self.setting, self.micro_tokens = setting, micro_tokens
-
-    def update(self, *, step, tokens_seen, global_batch, accumulation_steps, noise_scale):
-        from cbs_tracker.policy.controller import Decision
-
-        batch = proof.ramp_batch(self.setting, tokens_seen)
-        acc = batch // self.micro_tokens
-        return Decision(step=step, accumulation_steps=acc, global_batch=float(batch),
-                        changed=acc != accumulation_steps, critical_batch=None, decision_noise_scale=None,
-                        lr_factor=1.0, reason="hand ramp")
-
-    def state_dict(self):
-        return {"version": 1}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def test_the_hand_ramp_as_a_batch_schedule_reproduces_the_hand_written_one(quick_run: Path, tmp_path: Path,
                                                                            monkeypatch) -> None:
     # the quick run's hand ramp is BatchSchedule(ramp_marks(setting)); rerun it with the hand-written
     # controller: the same batches at the same tokens, the same losses (the same arithmetic: bit for bit)
     schedule_run = json.loads((quick_run / "runs" / "hand_ramp_seed0.json").read_text())
     assert schedule_run["controller_config"]["marks"] == [[t, b] for t, b in proof.ramp_marks(proof.QUICK)]
-    monkeypatch.setattr(proof, "make_controller", lambda spec, setting, micro: _HandRamp(setting, micro))
+    monkeypatch.setattr(proof, "make_controller", lambda spec, setting, micro: proof.HandRampController(setting, micro))
     reference = proof.train_run(proof.RunSpec("hand_ramp", 0), proof.QUICK, tmp_path)
     assert reference["batch_changes"] == schedule_run["batch_changes"] and len(reference["batch_changes"]) == 2
     # the trace is the same but for kappa x B_simple, which the schedule reports and the old controller did not
