@@ -72,7 +72,7 @@ class CBSTrainer(Trainer):
     Under growth the Trainer's learning-rate scheduler advances by the starting-batch
     steps each optimizer step held, and ``max_steps`` (given, or computed from the
     epochs) counts steps at the starting accumulation: the run ends at the same data as
-    a run without growth, the last windows cut to powers of two so as not to pass it.
+    a run without growth, the last windows cut (to a divisor, which stays aligned) so as not to pass it.
 
     Raises:
         TypeError / ValueError: a bad argument (the message names it).
@@ -373,10 +373,12 @@ class CBSTrainer(Trainer):
             self.applied_changes.append((session.step, self._epoch, self._epoch_pos, pending))
         setting = session.accumulation_steps
         # Do not pass the budget (in starting-batch steps; the epoch's end may shorten the
-        # window): halving keeps the window aligned, it divides the last one.
+        # window): the largest divisor of the setting that fits keeps the window aligned (it
+        # divides the last one; for powers of two: halving).
         start, left = session.starting_accumulation, self.state.max_steps - session.starting_batch_steps
-        while setting > start and setting % 2 == 0 and -(-self._window_length(setting) // start) > left:
-            setting //= 2
+        if setting > start and -(-self._window_length(setting) // start) > left:
+            setting = next(d for d in range(setting, 0, -1)
+                           if setting % d == 0 and (-(-self._window_length(d) // start) <= left or d == 1))
         if self._epoch_pos % setting:
             raise RuntimeError(
                 f"CBSTrainer: internal error, a window of {setting} microbatches would start at microbatch "

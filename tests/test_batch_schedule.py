@@ -302,3 +302,12 @@ def test_observe_only_reports_the_schedule_and_changes_nothing():
     _train(model, opt, sched, tracker, until_units=8_000, rows=rows)
     assert {a for _, a, _, _, _ in rows} == {A0}
     assert tracker.session.last_decision.planned_batch == schedule.batch_at(rows[-1][0] + rows[-1][4]) > B0
+
+
+def test_with_microbatch_given_the_accumulation_ignores_how_full_the_batches_are():
+    # tokens counted from labels: a step of 2 ranks x 2 microbatches of nominally 128 tokens ran 70% full.
+    # The accumulation for 1,024 tokens is 1,024 / (128 x 2 ranks) = 4, not what the units seen suggest
+    s = BatchSchedule([(0, 512), (300, 1024)], microbatch=MICRO)
+    s.bind(owner="CBSTracker", dp_degree=2, starting_accumulation=2)
+    first = s.update(step=1, tokens_seen=0.7 * 512, global_batch=0.7 * 512, accumulation_steps=2, noise_scale=None)
+    assert (first.accumulation_steps, first.changed) == (4, True) and first.global_batch == 1024

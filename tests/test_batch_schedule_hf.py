@@ -108,3 +108,14 @@ def test_the_schedule_on_two_gloo_processes(tmp_path):
         rec = r["record"]
         position = int((rec["tokens_seen"] - rec["global_batch"]) // (2 * B0))
         assert rec["lr"] == pytest.approx(0.05 * (24 - position) / 24, rel=1e-12, abs=1e-15), position
+
+
+@pytest.mark.parametrize("max_steps", [9, 11])
+def test_max_steps_ends_at_the_same_samples_under_a_schedule(tmp_path, max_steps):
+    # a budget of max_steps starting-batch steps: the last windows are cut to divisors of the schedule's
+    # accumulation (aligned) so that the run ends at max_steps x B0 samples, as the constant run does
+    trainer, rec, _ = _run(tmp_path, "cut", BatchSchedule(MARKS), max_steps=max_steps)
+    trainer.train()
+    assert rec.rows[-1].tokens_seen == max_steps * B0
+    assert trainer.session.starting_batch_steps == max_steps
+    assert max(r.accumulation_steps for r in rec.rows) >= 4

@@ -122,6 +122,7 @@ class BatchSchedule:
             for tokens, batch in self.marks:
                 self._check_layout(tokens, batch, self.microbatch, ranks=None)
         self._tokens = [t for t, _ in self.marks]
+        self._ranks = 0  # data-parallel ranks, told by the adapter (bind)
         self._reset()
 
     def _reset(self) -> None:
@@ -189,6 +190,7 @@ class BatchSchedule:
         With ``microbatch`` known, each mark must be a whole number of ``microbatch x
         dp_degree`` and a mark at 0 tokens the starting batch.
         """
+        self._ranks = int(dp_degree)
         if self.microbatch is None:
             return
         slot = self.microbatch * dp_degree
@@ -291,8 +293,9 @@ class BatchSchedule:
     def _start(self, global_batch: float, accumulation_steps: int) -> None:
         self._a0 = accumulation_steps
         if self.microbatch is not None:
-            ranks = global_batch / accumulation_steps / self.microbatch
-            self._slot = self.microbatch * max(1, round(ranks))
+            # the adapter's ranks (bind); else read from the step (exact with data of the nominal size)
+            ranks = self._ranks or max(1, round(global_batch / accumulation_steps / self.microbatch))
+            self._slot = self.microbatch * ranks
         else:
             self._slot = float(global_batch) / accumulation_steps
             hint = ("; the first step ran " f"{global_batch:g} units in {accumulation_steps} microbatch slot(s). "
