@@ -254,7 +254,7 @@ def test_the_schedule_warns_once_when_it_runs_far_above_the_measured_critical_ba
     assert quiet == [] and 768 < 0.5 * noise
     loud, noise = run([(0, 512), (4096, 8192)])
     assert len(loud) == 1 and 8192 > 4 * 0.5 * noise
-    assert "above the critical batch" in loud[0] and "batch of 8,192" in loud[0] and "kappa=0.5" in loud[0]
+    assert "above kappa x B_simple" in loud[0] and "batch of 8,192" in loud[0] and "kappa=0.5" in loud[0]
     # a measured kappa (a calibration's points) replaces the constant: at kappa 20 the same schedule is below
     calm, _ = run([(0, 512), (4096, 8192)], kappa=[(0, 20.0), (1e6, 20.0)])
     assert calm == []

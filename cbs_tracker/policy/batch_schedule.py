@@ -329,12 +329,12 @@ class BatchSchedule:
         self._warned = True
         return (
             f"BatchSchedule: from {self._above_since:,.0f} to {tokens:,.0f} units ({self._above_steps} measured "
-            f"steps) the schedule ran a batch of {batch:,.0f}, above the critical batch the tracker measures: "
-            f"kappa={self.kappa:.3g} x the upper end of the noise scale's 90% interval = {bound:,.0f} (kappa x "
-            f"B_simple = {self.kappa * float(noise_scale):,.0f}). Past the critical batch "  # type: ignore[arg-type]
-            "a larger batch buys few steps for its tokens: the run spends data for nothing. Consider a later or "
-            "smaller ramp (or let BatchSizeController decide); measure kappa on this model with "
-            "measure_critical_batch."
+            f"steps) the schedule ran a batch of {batch:,.0f}, above kappa x B_simple, the batch the tracker's "
+            f"controller would run: kappa={self.kappa:.3g} x the upper end of the noise scale's 90% interval = "
+            f"{bound:,.0f} (kappa x B_simple = {self.kappa * float(noise_scale):,.0f}). "  # type: ignore[arg-type]
+            "Beyond the critical batch more tokens per step save fewer steps, so the run may need more tokens "
+            "for the same loss; measure_critical_batch measures how far the critical batch is from B_simple on "
+            "this model (warn=False silences this)."
         )
 
     # ------------------------------------------------------------------ state
