@@ -112,11 +112,13 @@ def window_checker(model: Regression, trainer_ref: list[Any]) -> Any:
     return Check()
 
 
-def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: Any) -> None:
+def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: Any, save: bool = False,
+               resume: str | None = None) -> None:
     """One rank of a 2-process gloo ``CBSTrainer`` run with a planned growth; writes ``rank{r}.pt``.
 
     ``plan``: ``{step: accumulation}`` (a ``PlanController``) or a tuple of ``(samples, batch)``
-    marks (a ``BatchSchedule``)."""
+    marks (a ``BatchSchedule``). ``save``: a checkpoint every optimizer step; ``resume``: the
+    checkpoint to continue from."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -130,10 +132,12 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: Any
     check = window_checker(model, ref)
     # a batch schedule: three epochs and a linear LR decay (its timing in starting-batch steps is checked)
     sched = {} if isinstance(plan, dict) else {"num_train_epochs": 3, "lr_scheduler_type": "linear"}
-    args = training_args(os.path.join(out_dir, "run"), ddp_backend="gloo", **({"num_train_epochs": 2} | sched))
+    saving = {"save_strategy": "steps", "save_steps": 1} if save else {}
+    args = training_args(os.path.join(out_dir, "run"), ddp_backend="gloo",
+                         **({"num_train_epochs": 2} | sched | saving))
     trainer = CBSTrainer(model=model, args=args, train_dataset=regression_data(n), unit="samples",
                          controller=controller, callbacks=[check], lr_coupling="keep")
     ref.append(trainer)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     rows = [{k: v for k, v in r.items() if k != "record"} | {"record": vars(r["record"])} for r in check.rows]
     torch.save({"rows": rows, "applied": trainer.applied_changes}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -86,13 +86,17 @@ def test_the_schedule_in_the_trainer_windows_gradients_lr_and_a_resume(tmp_path)
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_the_schedule_on_two_gloo_processes(tmp_path):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_the_schedule_on_two_gloo_processes_and_a_resume_there(tmp_path):
     # 64 samples: 32 per rank (16 microbatches), the global batch twice the single process's
     marks = tuple((2 * t, 2 * b) for t, b in MARKS)
-    torch.multiprocessing.spawn(ddp_worker, args=(2, port, str(tmp_path), 64, marks), nprocs=2, join=True)
+    torch.multiprocessing.spawn(ddp_worker, args=(2, _free_port(), str(tmp_path), 64, marks, True),
+                                nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     r0, r1 = ranks[0]["rows"], ranks[1]["rows"]
     assert ranks[0]["applied"] == ranks[1]["applied"] and len(ranks[0]["applied"]) >= 2
@@ -108,6 +112,20 @@ def test_the_schedule_on_two_gloo_processes(tmp_path):
         rec = r["record"]
         position = int((rec["tokens_seen"] - rec["global_batch"]) // (2 * B0))
         assert rec["lr"] == pytest.approx(0.05 * (24 - position) / 24, rel=1e-12, abs=1e-15), position
+    # resumed on both processes from a checkpoint mid-schedule (A = 6 in force): the rest of the run
+    at = next(i + 1 for i, r in enumerate(r0) if r["setting"] == 6)
+    ckpt = str(tmp_path / "run" / f"checkpoint-{at}")
+    resumed = tmp_path / "resumed"
+    torch.multiprocessing.spawn(ddp_worker, args=(2, _free_port(), str(resumed), 64, marks, False, ckpt),
+                                nprocs=2, join=True)
+    for r in range(2):
+        tail = ranks[r]["rows"][at:]
+        again = torch.load(resumed / f"rank{r}.pt", weights_only=False)["rows"]
+        assert len(tail) >= 4 and {x["setting"] for x in tail} >= {6, 8}
+        assert [x["record"] for x in again] == [x["record"] for x in tail]
+        assert [x["setting"] for x in again] == [x["setting"] for x in tail]
+        for x, y in zip(again, tail, strict=True):
+            torch.testing.assert_close(x["params"], y["params"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("max_steps", [9, 11])
