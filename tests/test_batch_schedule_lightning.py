@@ -15,6 +15,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from cbs_tracker import BatchSchedule, CBSCallback
 from tests.lightning_workers import (
@@ -122,19 +123,29 @@ def test_a_lightning_resume_mid_schedule_continues_at_the_right_batch(tmp_path):
     assert [lr for *_, lr in resumed_rows] == pytest.approx([lr for *_, lr in tail], rel=1e-12)
 
 
-def test_the_schedule_on_two_ddp_spawn_ranks(tmp_path):
-    # per rank the single process's windows; global units twice theirs (2 samples x 2 ranks per slot)
-    marks = tuple((2 * t, 2 * b) for t, b in MARKS)
+def _spawn_fit(out, marks, epochs: int, *, save: bool = False, ckpt: str | None = None) -> None:
+    """A ``ddp_spawn`` fit on 2 ranks; each rank's rows in ``out/rank{r}.pt`` (``save``: ``out/last.ckpt``)."""
+    out.mkdir(exist_ok=True)
     cbs = CBSCallback(controller=BatchSchedule(marks), unit="samples")
+    callbacks = [cbs, SavedGradCheck(cbs, str(out))]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=str(out), save_last=True, save_top_k=0))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         max_epochs=2, accumulate_grad_batches=A0, use_distributed_sampler=False,
-                         callbacks=[cbs, SavedGradCheck(cbs, str(tmp_path))])
+                         enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
+                         max_epochs=epochs, accumulate_grad_batches=A0, use_distributed_sampler=False,
+                         callbacks=callbacks)
     n = 2 * PER_EPOCH * ROWS
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         trainer.fit(LambdaRegression(lr=0.05, optimizer="adam"),
-                    torch.utils.data.DataLoader(regression_data(n), batch_size=ROWS, sampler=RankSlice(n, 2)))
+                    torch.utils.data.DataLoader(regression_data(n), batch_size=ROWS, sampler=RankSlice(n, 2)),
+                    ckpt_path=ckpt)
+
+
+def test_the_schedule_on_two_ddp_spawn_ranks_and_a_resume_there(tmp_path):
+    # per rank the single process's windows; global units twice theirs (2 samples x 2 ranks per slot)
+    marks = tuple((2 * t, 2 * b) for t, b in MARKS)
+    _spawn_fit(tmp_path, marks, 2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert [r["record"] for r in r0] == [r["record"] for r in r1]
     rows = []
@@ -157,3 +168,16 @@ def test_the_schedule_on_two_ddp_spawn_ranks(tmp_path):
         bare.step()
     for before, acc, _, lr in rows:
         assert lr == pytest.approx(const_lr[int(before // (2 * B0))] * math.sqrt(acc / A0), rel=1e-9), before
+    # one epoch on both ranks, checkpointed mid-schedule, then resumed on both: the rest of the full fit
+    _spawn_fit(tmp_path / "first", marks, 1, save=True)
+    first = torch.load(tmp_path / "first" / "rank0.pt", weights_only=False)
+    assert 4 <= first[-1]["lightning_accumulation"] < 12
+    _spawn_fit(tmp_path / "resumed", marks, 2, ckpt=str(tmp_path / "first" / "last.ckpt"))
+    for r, full in enumerate((r0, r1)):
+        again = torch.load(tmp_path / "resumed" / f"rank{r}.pt", weights_only=False)
+        tail = full[len(first):]
+        assert len(tail) >= 4 and {x["lightning_accumulation"] for x in tail} >= {6, 12}
+        assert [x["record"] for x in again] == [x["record"] for x in tail]
+        assert [x["lr"] for x in again] == pytest.approx([x["lr"] for x in tail], rel=1e-12)
+        for x, y in zip(again, tail, strict=True):
+            torch.testing.assert_close(x["got"], y["got"], rtol=1e-12, atol=0)
