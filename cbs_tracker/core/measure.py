@@ -25,7 +25,7 @@ from cbs_tracker.core.collector import (
     local_grad_sq_norm,
 )
 
-__all__ = ["LOSS_NORMALIZATIONS", "WindowFaults", "loss_scale", "reduce_window", "unscale_and_get_scale"]
+__all__ = ["LOSS_NORMALIZATIONS", "REPLICA_TOLERANCE", "WindowFaults", "loss_scale", "reduce_window", "unscale_and_get_scale"]
 
 
 def unscale_and_get_scale(grad_scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -57,6 +57,9 @@ class WindowFaults:
     Attributes:
         mismatched_ranks: ranks whose window ran a number of microbatches other than
             the one expected (0 when no expectation was given).
+        replica_spread: how far the ranks' synced gradients disagree: the spread across
+            ranks of ``|.grad|^2`` over its mean (0 when they agree, or when it was not
+            checked: one rank, sharded gradients, an unmeasured or non-finite window).
         invalid_sizes: microbatch sizes that were negative or not finite.
         microbatches_run: microbatches run on all ranks, those without any
             loss-contributing unit included (``StepStats.num_microbatches`` leaves them out).
@@ -65,6 +68,13 @@ class WindowFaults:
     mismatched_ranks: int = 0
     invalid_sizes: int = 0
     microbatches_run: int = 0
+    replica_spread: float = 0.0
+
+
+#: The largest relative spread across the DP ranks of the synced gradient's squared norm that
+#: still counts as replicas agreeing. A synced gradient is the same all-reduce result on every
+#: rank (bitwise in practice); the float64 sums that carry the fingerprints round at about 1e-8.
+REPLICA_TOLERANCE = 1e-5
 
 
 #: How each microbatch's loss was normalised (what its hooked gradient carries, besides the
@@ -105,8 +115,13 @@ def reduce_window(
     (``K B_small`` for equal weights; the window's units for unit-normalised losses;
     ``R`` times the harmonic mean of the ranks' units when each rank divides by its own).
     ``K`` is the microbatches really run (a short window is measured with its real size).
-    One ``all_reduce`` of 14 float64 numbers and one host sync; on an accelerator the
+    One ``all_reduce`` of 15 float64 numbers and one host sync; on an accelerator the
     host's numbers (sizes given as numbers, flags, counts) reach the device in one copy.
+
+    Replicated gradients (not ``big_norm_is_sharded``) are checked in the same reduction:
+    every rank adds its own ``|.grad|^2`` and its square, so the spread across ranks follows
+    from the two sums (:attr:`WindowFaults.replica_spread`); ranks whose synced gradients
+    differ (a microbatch that skipped the all-reduce) show there before the optimizer steps.
 
     Args:
         collector: the window's per-microbatch norms (not reset here).
@@ -151,8 +166,7 @@ def reduce_window(
         float(measured),
         float(proposed_every),
     ]
-    if big is not None and not (big_norm_is_sharded or cbs_dist.group_rank(dp_group) == 0):
-        big = None  # a replica: one rank reports the big norm
+    # a replica: every rank reports its own norm (their mean is the big norm, their spread the check)
     a = float(loss_divisor)
     group = normalization == "group"
     on_host = (
@@ -183,12 +197,13 @@ def reduce_window(
             small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
             0.0 if finite else 1.0, unmeasurable, mismatched, invalid, ran,
             c if finite else 0.0, q if finite else 0.0, was_measured, proposal,
+            big_val * big_val if finite else 0.0,
         ]
         ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
         if ranks > 1:
             values = cbs_dist.all_reduce_sum(torch.tensor(values, dtype=torch.float64), dp_group).tolist()
         return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks,
-                           own_seconds=_own_seconds(collector, measured, t0))
+                           replicas=not big_norm_is_sharded, own_seconds=_own_seconds(collector, measured, t0))
     # On an accelerator every operator below is a launch: the vector is built in about a dozen.
     # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2, *flags]
     sums = collector.window_sums(device, flags, norms=measured)
@@ -219,16 +234,17 @@ def reduce_window(
     nonfinite = (block - block).ne(0).any(0, keepdim=True)  # x - x is nan exactly for inf and nan
     block = block.masked_fill(nonfinite, 0.0)
     flag_vec = sums[6:]
-    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q, measured, proposal]
+    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q, measured, proposal,
+    #  big^2]
     vec = torch.cat([
         block[:1], sums[1:4], block[3:4], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:3],
-        block[1:3], flag_vec[3:5],
+        block[1:3], flag_vec[3:5], block[3:4].square(),
     ])
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
     ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
     values = vec.tolist()  # one host sync
     return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks,
-                       own_seconds=_own_seconds(collector, measured, t0))
+                       replicas=not big_norm_is_sharded, own_seconds=_own_seconds(collector, measured, t0))
 
 
 def _own_seconds(collector: GradStatsCollector, measured: bool, started: float) -> float:
@@ -236,16 +252,24 @@ def _own_seconds(collector: GradStatsCollector, measured: bool, started: float) 
     return (collector.own_seconds if measured else 0.0) + (time.perf_counter() - started)
 
 
-def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
+def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int, replicas: bool = True,
                 own_seconds: float = 0.0) -> tuple[StepStats, WindowFaults]:
     """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q,
-    measured, proposal]`` (``ranks``: the ranks summed).
+    measured, proposal, big^2]`` (``ranks``: the ranks summed).
 
     With ``group`` the per-rank sums were taken with ``D = 1``: the divisor is known only now,
-    the group's units over the averaging ranks.
+    the group's units over the averaging ranks. With ``replicas`` every rank reported its
+    own synced norm: the big norm is their mean, and ``ranks sum(f^2) - (sum f)^2 = sum over
+    pairs (f_i - f_j)^2`` measures how far they disagree.
     """
-    small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran, c, q, meas, prop = values
+    (small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran, c, q, meas, prop,
+     big_sq_total) = values
     measured = meas > ranks - 0.5  # every rank measured this window
+    spread = 0.0
+    if replicas and ranks > 1:
+        if measured and nonfinite == 0 and big_total > 0:
+            spread = math.sqrt(max(ranks * big_sq_total - big_total * big_total, 0.0)) / big_total
+        big_total = big_total / ranks
     if group and units > 0:
         d = units / avg_ranks
         small_total, c, q = small_total * d * d, c / d, q / (d * d)
@@ -265,5 +289,6 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
         own_seconds=own_seconds,
     )
     return stats, WindowFaults(
-        mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran))
+        mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran)),
+        replica_spread=spread,
     )

@@ -18,7 +18,7 @@ from typing import Any
 from cbs_tracker.core.cadence import MeasureCadence
 from cbs_tracker.core.collector import StepStats
 from cbs_tracker.core.estimator import NoiseScaleEstimator
-from cbs_tracker.core.measure import WindowFaults
+from cbs_tracker.core.measure import REPLICA_TOLERANCE, WindowFaults
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.policy.lr import ScheduleTimer, coupling_factor, resolve_coupling
 
@@ -391,6 +391,18 @@ class TrackingSession:
             raise ValueError(
                 f"{self.owner}: {faults.invalid_sizes} microbatch size(s) of this step were negative or not "
                 "finite (size= must be a number >= 0; labels= counts labels != ignore_index)"
+            )
+        if faults.replica_spread > REPLICA_TOLERANCE and self.dp_degree > 1:
+            raise RuntimeError(
+                f"{self.owner}: the synchronised gradient differs across the {self.dp_degree} data-parallel "
+                f"ranks (its squared norm spreads by {faults.replica_spread:.3g} of its mean across them), so "
+                "the optimizer would step the replicas apart; stopped before it steps (the parameters are "
+                "still identical). Likely causes: the last microbatch of the window did not all-reduce (a loop "
+                "that sets model.require_backward_grad_sync or enters no_sync() from its own accumulation "
+                "count: let `with tracker.microbatch(...)` handle the sync, it runs tracker.accumulation_steps "
+                "microbatches and syncs the last), a backward outside the tracker's microbatches, parameters "
+                "left out of DDP, a gradient hook that changes gradients on one rank only, or a custom "
+                "data-parallel wrapper that does not average the gradients."
             )
         if not faults.mismatched_ranks:
             return
