@@ -30,11 +30,34 @@ from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_ste
 from cbs_tracker.core.units import BatchSizeFn, leading_dim
 from cbs_tracker.policy.lr import COUPLINGS
 
-__all__ = ["CBSCalibration", "CBSTrainer", "STATE_FILE"]
+__all__ = ["CBSCalibration", "CBSTrainer", "STATE_FILE", "TESTED_TRANSFORMERS", "check_transformers_version"]
 
 #: file the tracker's state is written to in every Trainer checkpoint folder
 STATE_FILE = "cbs_tracker.json"
 _STATE_VERSION = 1
+#: the transformers releases (major.minor) CBSTrainer is tested with; another one warns once
+TESTED_TRANSFORMERS = ("5.24",)
+_VERSION_WARNED = False
+
+
+def installed_transformers() -> str:
+    """The installed transformers release (its distribution's version)."""
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def check_transformers_version(version: str) -> str | None:
+    """The warning for a transformers release outside :data:`TESTED_TRANSFORMERS`, or ``None`` inside it."""
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor in TESTED_TRANSFORMERS:
+        return None
+    return (
+        f"CBSTrainer is tested with transformers {', '.join(TESTED_TRANSFORMERS)}; this is {version}. "
+        "It overrides Trainer methods whose behaviour it relies on (the window's batches, the loss "
+        "normalisation, the step counters), so check a short run's windows and LR before relying on it, "
+        "or install a tested release: pip install 'transformers>=5.24,<5.25'."
+    )
 # the Trainer's reporters that get the cbs/ scalars through Trainer.log (TensorBoard gets exact tags)
 _NOT_TENSORBOARD = {"none", "tensorboard"}
 
@@ -138,6 +161,20 @@ class CBSTrainer(Trainer):
         if cap_lr_at_peak is not None and not isinstance(cap_lr_at_peak, bool):
             raise TypeError(f"CBSTrainer(cap_lr_at_peak={cap_lr_at_peak!r}): expected True, False or None")
         check_measure_every(measure_every, measure_target, owner="CBSTrainer")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "deepspeed", None):
+            raise ValueError(
+                f"CBSTrainer(args=TrainingArguments(deepspeed={training_args.deepspeed!r})): DeepSpeed is not "
+                "supported: its ZeRO engine partitions and reduces the gradients itself (.grad is not the synced "
+                "gradient the tracker reads) and steps the accumulation by its own gradient_accumulation_steps, "
+                "so the noise scale would be measured wrong and the batch could not change. Use DDP (the "
+                "default under torchrun) or write the loop with CBSTracker / FSDPTracker."
+            )
+        global _VERSION_WARNED
+        version_warning = check_transformers_version(installed_transformers())
+        if version_warning is not None and not _VERSION_WARNED:
+            _VERSION_WARNED = True  # once per process
+            warnings.warn(version_warning, UserWarning, stacklevel=2)
         super().__init__(*args, **kwargs)
         self.controller = controller
         self.unit: Unit = unit

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import accelerate  # noqa: F401,E402  (the [test] extra installs both; a missing one must fail, not skip)
@@ -383,3 +384,34 @@ def test_hf_trainer_example_quick_run_grows_and_prints_what_it_measured(tmp_path
     assert proc.returncode == 0, out
     assert re.search(r"gradient_accumulation_steps 2 -> 4", out), out
     assert re.search(r"done: \d+ optimizer steps, [\d,]+ tokens .* noise scale [\d,]+ tokens", out), out
+
+
+# ---------------------------------------------------------------------------- versions and refusals
+def test_a_transformers_release_outside_the_tested_ones_warns_once(tmp_path, monkeypatch):
+    import cbs_tracker.integrations.transformers as cbs_hf
+
+    assert cbs_hf.check_transformers_version("5.24.0") is None
+    assert cbs_hf.check_transformers_version("5.24.3+local") is None
+    message = cbs_hf.check_transformers_version("5.26.1")
+    assert "5.24" in message and "5.26.1" in message
+    monkeypatch.setattr(cbs_hf, "_VERSION_WARNED", False)
+    assert cbs_hf.installed_transformers() == transformers.__version__
+    monkeypatch.setattr(cbs_hf, "installed_transformers", lambda: "5.26.1")
+    args = training_args(str(tmp_path / "v"))
+    with pytest.warns(UserWarning, match=r"tested with transformers 5\.24; this is 5\.26\.1"):
+        make(Regression(seed=0), args, regression_data(8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second trainer of the process does not warn again
+        make(Regression(seed=0), args, regression_data(8))
+    monkeypatch.setattr(cbs_hf, "_VERSION_WARNED", False)
+    monkeypatch.setattr(cbs_hf, "installed_transformers", lambda: "5.24.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the tested release: no warning
+        make(Regression(seed=0), args, regression_data(8))
+
+
+def test_deepspeed_is_refused_with_the_reason(tmp_path):
+    args = training_args(str(tmp_path / "ds"))
+    args.deepspeed = "ds_config.json"  # TrainingArguments would need the deepspeed package to take it
+    with pytest.raises(ValueError, match=r"deepspeed='ds_config.json'.*DeepSpeed is not supported.*partitions"):
+        CBSTrainer(model=Regression(seed=0), args=args, train_dataset=regression_data(8))
