@@ -31,7 +31,8 @@ def test_main_job_runs_and_prints_the_noise_scale(tmp_path):
     # 60k tokens are too few to grow: the demo says why, with the numbers
     assert re.search(r"no batch change: a doubling needs the critical batch .* at 1,126 tokens or more", out), out
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "picture of the run: demo.png" in out
+    # the run ends with the picture's path, which exists
+    assert out.strip().splitlines()[-1] == f"picture of the run: {tmp_path / 'demo.png'}"
 
 
 def test_demo_progress_line_and_change_line_on_a_terminal():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -133,7 +134,7 @@ def draw(records, path: str) -> str:
     except ImportError:
         return "no picture: matplotlib is not installed (pip install 'cbs-tracker[plot]')"
     fig.savefig(path, dpi=110)
-    return f"picture of the run: {path}"
+    return f"picture of the run: {os.path.abspath(path)}"
 
 
 def main(argv: list[str]) -> int:
