@@ -584,6 +584,7 @@ class LoopTracker:
             big_norm_is_sharded=self.big_norm_is_sharded,
             expected_microbatches=self._window_divisor,
             normalization=self.loss_normalization,
+            big_is_scaled=scale is not None and self._grads_still_scaled(),
             measured=self._measure,
             proposed_every=self.session.cadence.proposal(),
         )
@@ -670,6 +671,11 @@ class LoopTracker:
         if not grads:
             return torch.tensor(total, dtype=torch.float32)
         return torch.tensor(total, dtype=grads[0].dtype, device=grads[0].device)
+
+    def _grads_still_scaled(self) -> bool:
+        """``.grad`` still carries the loss scale when :meth:`step` reads it (an adapter whose framework
+        unscales later, when the loop clips); the plain loop's :meth:`_loss_scale` unscales first."""
+        return False
 
     def _loss_scale(self) -> torch.Tensor | None:
         if self.grad_scaler is None or not getattr(self.grad_scaler, "is_enabled", lambda: True)():
