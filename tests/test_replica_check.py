@@ -42,11 +42,12 @@ def test_a_loop_whose_last_microbatch_did_not_sync_stops_before_the_optimizer_st
     torch.testing.assert_close(ok0["params"], ok1["params"], rtol=0, atol=0)
 
 
-def _values(fingerprints: list[float]) -> list[float]:
-    """The reduced vector of a measured window whose ranks report these ``|.grad|^2``."""
+def _values(fingerprints: list[float], small: list[float] | None = None) -> list[float]:
+    """The reduced vector of a measured window whose ranks report these ``|.grad|^2`` (and microbatch sums)."""
     ranks = len(fingerprints)
-    return [1.0, 2.0 * ranks, 1.0, 8.0, sum(fingerprints), 0.0, 0.0, 0.0, 0.0, 2.0 * ranks, 1.0, 1.0,
-            float(ranks), float(ranks), sum(f * f for f in fingerprints)]
+    small = small or [1.0 + 0.1 * r for r in range(ranks)]
+    return [sum(small), 2.0 * ranks, 1.0, 8.0, sum(fingerprints), 0.0, 0.0, 0.0, 0.0, 2.0 * ranks, 1.0, 1.0,
+            float(ranks), float(ranks), sum(f * f for f in fingerprints), sum(x * x for x in small)]
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
@@ -62,3 +63,17 @@ def test_the_spread_of_the_ranks_fingerprints(ranks):
     # shards are not replicas: their partial norms add up and are not compared
     stats, faults = _step_stats(_values(f), avg_ranks=ranks, group=False, ranks=ranks, replicas=False)
     assert faults.replica_spread == 0.0 and stats.synced_sq_norm == pytest.approx(sum(f), rel=1e-15)
+    assert not faults.shared_data
+    # ranks whose own microbatch sums agree ran the same data; a spread of 1e-6 is different data
+    _, faults = _step_stats(_values([0.7] * ranks, [1.3] * ranks), avg_ranks=ranks, group=False, ranks=ranks)
+    assert faults.shared_data
+    near = [1.3] * (ranks - 1) + [1.3 * (1 + 1e-6)]
+    _, faults = _step_stats(_values([0.7] * ranks, near), avg_ranks=ranks, group=False, ranks=ranks)
+    assert not faults.shared_data
+
+
+def test_ranks_given_as_data_parallel_that_share_their_data_are_refused(tmp_path):
+    mp.spawn(w.toggle_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), False, True), nprocs=2, join=True)
+    for r in range(2):
+        out = torch.load(tmp_path / f"toggle0.rank{r}.pt", weights_only=False)
+        assert out["steps"] == 0 and "ran the same data" in out["error"] and "mesh_dim='dp'" in out["error"]

@@ -25,7 +25,7 @@ from cbs_tracker.core.collector import (
     local_grad_sq_norm,
 )
 
-__all__ = ["LOSS_NORMALIZATIONS", "REPLICA_TOLERANCE", "WindowFaults", "loss_scale", "reduce_window", "unscale_and_get_scale"]
+__all__ = ["LOSS_NORMALIZATIONS", "REPLICA_TOLERANCE", "SHARED_DATA_TOLERANCE", "WindowFaults", "loss_scale", "reduce_window", "unscale_and_get_scale"]
 
 
 def unscale_and_get_scale(grad_scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -60,6 +60,9 @@ class WindowFaults:
         replica_spread: how far the ranks' synced gradients disagree: the spread across
             ranks of ``|.grad|^2`` over its mean (0 when they agree, or when it was not
             checked: one rank, sharded gradients, an unmeasured or non-finite window).
+        shared_data: every rank's microbatch norms summed to the same number (to
+            :data:`SHARED_DATA_TOLERANCE`): ranks that see the same data (tensor- or
+            pipeline-parallel ranks counted as data-parallel, a sampler that does not split).
         invalid_sizes: microbatch sizes that were negative or not finite.
         microbatches_run: microbatches run on all ranks, those without any
             loss-contributing unit included (``StepStats.num_microbatches`` leaves them out).
@@ -69,12 +72,17 @@ class WindowFaults:
     invalid_sizes: int = 0
     microbatches_run: int = 0
     replica_spread: float = 0.0
+    shared_data: bool = False
 
 
 #: The largest relative spread across the DP ranks of the synced gradient's squared norm that
 #: still counts as replicas agreeing. A synced gradient is the same all-reduce result on every
 #: rank (bitwise in practice); the float64 sums that carry the fingerprints round at about 1e-8.
 REPLICA_TOLERANCE = 1e-5
+#: Ranks whose per-microbatch norms sum to the same number within this relative spread ran the
+#: same data: two different samples of data never agree this closely (a spread of the order of
+#: the noise, 1e-2 and more), the same data on the same weights agrees bitwise.
+SHARED_DATA_TOLERANCE = 1e-9
 
 
 #: How each microbatch's loss was normalised (what its hooked gradient carries, besides the
@@ -115,13 +123,15 @@ def reduce_window(
     (``K B_small`` for equal weights; the window's units for unit-normalised losses;
     ``R`` times the harmonic mean of the ranks' units when each rank divides by its own).
     ``K`` is the microbatches really run (a short window is measured with its real size).
-    One ``all_reduce`` of 15 float64 numbers and one host sync; on an accelerator the
+    One ``all_reduce`` of 16 float64 numbers and one host sync; on an accelerator the
     host's numbers (sizes given as numbers, flags, counts) reach the device in one copy.
 
     Replicated gradients (not ``big_norm_is_sharded``) are checked in the same reduction:
     every rank adds its own ``|.grad|^2`` and its square, so the spread across ranks follows
     from the two sums (:attr:`WindowFaults.replica_spread`); ranks whose synced gradients
     differ (a microbatch that skipped the all-reduce) show there before the optimizer steps.
+    Likewise each rank's own sum of microbatch norms: ranks that agree on it exactly ran the
+    same data (:attr:`WindowFaults.shared_data`).
 
     Args:
         collector: the window's per-microbatch norms (not reset here).
@@ -197,7 +207,7 @@ def reduce_window(
             small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
             0.0 if finite else 1.0, unmeasurable, mismatched, invalid, ran,
             c if finite else 0.0, q if finite else 0.0, was_measured, proposal,
-            big_val * big_val if finite else 0.0,
+            big_val * big_val if finite else 0.0, small * small if finite else 0.0,
         ]
         ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
         if ranks > 1:
@@ -235,10 +245,10 @@ def reduce_window(
     block = block.masked_fill(nonfinite, 0.0)
     flag_vec = sums[6:]
     # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q, measured, proposal,
-    #  big^2]
+    #  big^2, small^2]
     vec = torch.cat([
         block[:1], sums[1:4], block[3:4], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:3],
-        block[1:3], flag_vec[3:5], block[3:4].square(),
+        block[1:3], flag_vec[3:5], block[3:4].square(), block[:1].square(),
     ])
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
     ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
@@ -255,7 +265,7 @@ def _own_seconds(collector: GradStatsCollector, measured: bool, started: float) 
 def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int, replicas: bool = True,
                 own_seconds: float = 0.0) -> tuple[StepStats, WindowFaults]:
     """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q,
-    measured, proposal, big^2]`` (``ranks``: the ranks summed).
+    measured, proposal, big^2, small^2]`` (``ranks``: the ranks summed).
 
     With ``group`` the per-rank sums were taken with ``D = 1``: the divisor is known only now,
     the group's units over the averaging ranks. With ``replicas`` every rank reported its
@@ -263,8 +273,13 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
     pairs (f_i - f_j)^2`` measures how far they disagree.
     """
     (small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran, c, q, meas, prop,
-     big_sq_total) = values
+     big_sq_total, small_sq_total) = values
     measured = meas > ranks - 0.5  # every rank measured this window
+    shared = (
+        ranks > 1 and measured and nonfinite == 0 and small_total > 0
+        and math.sqrt(max(ranks * small_sq_total - small_total * small_total, 0.0)) / small_total
+        < SHARED_DATA_TOLERANCE
+    )
     spread = 0.0
     if replicas and ranks > 1:
         if measured and nonfinite == 0 and big_total > 0:
@@ -290,5 +305,5 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
     )
     return stats, WindowFaults(
         mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran)),
-        replica_spread=spread,
+        replica_spread=spread, shared_data=shared,
     )

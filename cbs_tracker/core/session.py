@@ -392,6 +392,15 @@ class TrackingSession:
                 f"{self.owner}: {faults.invalid_sizes} microbatch size(s) of this step were negative or not "
                 "finite (size= must be a number >= 0; labels= counts labels != ignore_index)"
             )
+        if faults.shared_data and self.dp_degree > 1:
+            raise RuntimeError(
+                f"{self.owner}: the {self.dp_degree} ranks of the data-parallel group ran the same data (their "
+                "microbatch gradients agree exactly), so the global batch and the noise scale would be counted "
+                f"{self.dp_degree} times too large. Give the tracker only the ranks that see different data: "
+                "tensor-, pipeline- and context-parallel ranks share their tokens (device_mesh=..., "
+                "mesh_dim='dp', or process_group= the data-parallel group), and each data-parallel rank needs "
+                "its own shard of the data (a DistributedSampler or a loader split by rank)."
+            )
         if faults.replica_spread > REPLICA_TOLERANCE and self.dp_degree > 1:
             raise RuntimeError(
                 f"{self.owner}: the synchronised gradient differs across the {self.dp_degree} data-parallel "
