@@ -521,6 +521,20 @@ def resume_scenario(rank: int, world: int, tmp: str, *, checkpoint: bool = True)
     }
 
 
+def run_scenario(name: str, rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """:func:`scenario` with its warnings; an error is returned as ``{"error": traceback}`` (the test fails on it)."""
+    import traceback
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            payload = scenario(name, rank, world, tmp)
+    except Exception:
+        return {"error": traceback.format_exc()}
+    payload["warnings"] = [str(w.message) for w in caught]
+    return payload
+
+
 def run_ranks(rank: int, world: int, init_file: str, out_dir: str, names: list[str]) -> None:
     """Spawn target: the environment Accelerate's ``PartialState`` reads, a gloo group, then every scenario."""
     os.environ.update(
@@ -542,11 +556,9 @@ def run_ranks(rank: int, world: int, init_file: str, out_dir: str, names: list[s
     )
     try:
         for name in names:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                payload = scenario(name, rank, world, out_dir)
-            payload["warnings"] = [str(w.message) for w in caught]
-            torch.save(payload, Path(out_dir) / f"{name}.rank{rank}.pt")
+            torch.save(
+                run_scenario(name, rank, world, out_dir), Path(out_dir) / f"{name}.rank{rank}.pt"
+            )
             dist.barrier()
     finally:
         reset_accelerate()

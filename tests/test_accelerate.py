@@ -20,7 +20,6 @@ computed without Accelerate, or with Accelerate but without the tracker:
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,17 +55,10 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, An
 @pytest.fixture(scope="module")
 def one(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("accelerate1")
-    out = {}
     try:
-        for name in ONE:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                payload = aw.scenario(name, 0, 1, str(tmp))
-            payload["warnings"] = [str(w.message) for w in caught]
-            out[name] = [payload]
+        return {name: [aw.run_scenario(name, 0, 1, str(tmp))] for name in ONE}
     finally:
         aw.reset_accelerate()
-    return out
 
 
 @pytest.fixture
@@ -75,8 +67,16 @@ def clean() -> Any:
     aw.reset_accelerate()
 
 
-def runs(request: pytest.FixtureRequest, world: int) -> dict[str, list[dict[str, Any]]]:
-    return request.getfixturevalue("one" if world == 1 else "two")
+def runs(request: pytest.FixtureRequest, world: int, name: str) -> list[dict[str, Any]]:
+    """Scenario ``name``'s payloads (one per process); a scenario that raised fails the test with its traceback."""
+    return _ok(name, request.getfixturevalue("one" if world == 1 else "two")[name])
+
+
+def _ok(name: str, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for p in payloads:
+        if "error" in p:
+            pytest.fail(f"scenario {name!r} raised:\n{p['error']}")
+    return payloads
 
 
 WORLDS = [1, pytest.param(2, marks=needs_gloo)]
@@ -93,7 +93,7 @@ def test_accelerate_windows_are_the_trackers(request, world, name):
     """(c, e) Per window of A microbatches: Accelerate syncs and the optimizer steps on the last only, with
     gradient_accumulation_steps = A and its counter 1..A, before and after the batch grew; under DDP the
     gradients are all-reduced in the last microbatch's backward only."""
-    for payload in runs(request, world)[name]:
+    for payload in runs(request, world, name):
         rows = payload["rows"]
         sizes = [r["record"]["accumulation_steps"] for r in rows]
         assert sizes[0] == aw.START // world and max(sizes) >= 2 * sizes[0], sizes  # the batch grew
@@ -118,23 +118,22 @@ def test_accelerate_window_gradient_is_the_mean_of_its_microbatches(request, wor
     """(a, e) .grad at tracker.step() equals the mean of the window's microbatch gradients (all ranks), also
     after growth: the loss was divided by the window's own accumulation."""
     tol = dict(rtol=1e-10, atol=1e-13) if name == "grow" else dict(rtol=1e-5, atol=1e-7)
-    for payload in runs(request, world)[name]:
+    for payload in runs(request, world, name):
         for row in payload["rows"]:
             torch.testing.assert_close(row["grad"], row["ref"], **tol)
 
 
 @needs_gloo
-def test_accelerate_two_processes_stay_replicas(two):
+def test_accelerate_two_processes_stay_replicas(request):
     """(b) Both processes: the same records, gradients and weights, bit for bit."""
     for name in ("grow", "bf16"):
-        r0, r1 = two[name]
+        r0, r1 = runs(request, 2, name)
         assert torch.equal(r0["params"], r1["params"]), name
         for a, b in zip(r0["rows"], r1["rows"], strict=True):
             assert a["record"] == b["record"]
             assert torch.equal(a["grad"], b["grad"])
-    assert (
-        two["grow"][0]["distributed_type"] == "DistributedType.MULTI_CPU" and two["grow"][0]["ddp"]
-    )
+    grow = runs(request, 2, "grow")[0]
+    assert grow["distributed_type"] == "DistributedType.MULTI_CPU" and grow["ddp"]
 
 
 # ---------------------------------------------------------------------------- against the plain loop
@@ -154,7 +153,7 @@ def test_accelerate_noise_scale_equals_the_plain_loop(request, world, name):
     }[name]
     rtol = RTOL if name in ("grow", "loader") else 1e-6
     ref = aw.plain_reference(world=world, windows=aw.WINDOWS, **kw)
-    payload = runs(request, world)[name][0]
+    payload = runs(request, world, name)[0]
     got = [r["record"] for r in payload["rows"]]
     assert sum(r["noise_scale"] is not None for r in got) >= 4
     for g, w in zip(got, ref["records"], strict=True):
@@ -176,10 +175,10 @@ def test_accelerate_noise_scale_equals_the_plain_loop(request, world, name):
             torch.testing.assert_close(row["grad"] / row["scale"], row["ref"], rtol=1e-5, atol=1e-7)
 
 
-def test_accelerate_loader_end_inside_a_window_is_not_cut(one):
+def test_accelerate_loader_end_inside_a_window_is_not_cut(request):
     """A prepared DataLoader of 10 batches under windows of 4: Accelerate's end-of-dataloader sync would cut
     the third window; the window runs on into the next epoch and the run says so once."""
-    payload = one["loader"][0]
+    payload = runs(request, 1, "loader")[0]
     starts = [r["start"] for r in payload["rows"]]
     assert starts[2] < aw.LOADER_BATCHES < starts[3]  # the third window crossed the loader's end
     ended = [w for w in payload["warnings"] if "the data loader ended in microbatch" in w]
@@ -192,7 +191,7 @@ def test_accelerate_lr_per_sample_is_the_constant_runs_times_the_coupling(reques
     """(f) The prepared scheduler (stepped num_processes times per call by Accelerate) keeps its timing in
     samples: each step's LR is the constant-batch Accelerate run's at the same samples seen, exactly with
     lr_coupling='keep', times A/A0 with 'linear'."""
-    payload = runs(request, world)["lr"][0]
+    payload = runs(request, world, "lr")[0]
     constant = {c["units_before"]: c["lr"] for c in payload["constant"]}
     start = aw.START // world
     for coupling in ("keep", "linear"):
@@ -219,7 +218,7 @@ def test_accelerate_save_state_resumes_identically(request, world):
     """(g) accelerator.save_state halfway (the tracker registered for checkpointing), new objects,
     accelerator.load_state, the data from tracker.microbatches_seen: the records and weights of the
     uninterrupted run, bit for bit, across a growth."""
-    payload = runs(request, world)["resume"][0]
+    payload = runs(request, world, "resume")[0]
     assert payload["resumed"] == payload["full"]
     assert torch.equal(payload["resumed_params"], payload["full_params"])
     sizes = [r["accumulation_steps"] for r in payload["full"]]
