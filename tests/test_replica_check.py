@@ -47,7 +47,7 @@ def _values(fingerprints: list[float], small: list[float] | None = None) -> list
     ranks = len(fingerprints)
     small = small or [1.0 + 0.1 * r for r in range(ranks)]
     return [sum(small), 2.0 * ranks, 1.0, 8.0, sum(fingerprints), 0.0, 0.0, 0.0, 0.0, 2.0 * ranks, 1.0, 1.0,
-            float(ranks), float(ranks), sum(f * f for f in fingerprints), sum(x * x for x in small)]
+            float(ranks), float(ranks), sum(x * x for x in small), 1.0, 1.0, sum(f * f for f in fingerprints)]
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])

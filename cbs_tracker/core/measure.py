@@ -123,7 +123,7 @@ def reduce_window(
     (``K B_small`` for equal weights; the window's units for unit-normalised losses;
     ``R`` times the harmonic mean of the ranks' units when each rank divides by its own).
     ``K`` is the microbatches really run (a short window is measured with its real size).
-    One ``all_reduce`` of 16 float64 numbers and one host sync; on an accelerator the
+    One ``all_reduce`` of 18 float64 numbers and one host sync; on an accelerator the
     host's numbers (sizes given as numbers, flags, counts) reach the device in one copy.
 
     Replicated gradients (not ``big_norm_is_sharded``) are checked in the same reduction:
@@ -207,7 +207,7 @@ def reduce_window(
             small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
             0.0 if finite else 1.0, unmeasurable, mismatched, invalid, ran,
             c if finite else 0.0, q if finite else 0.0, was_measured, proposal,
-            big_val * big_val if finite else 0.0, small * small if finite else 0.0,
+            *((small * small, c * c, q * q, big_val * big_val) if finite else (0.0, 0.0, 0.0, 0.0)),
         ]
         ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
         if ranks > 1:
@@ -245,10 +245,10 @@ def reduce_window(
     block = block.masked_fill(nonfinite, 0.0)
     flag_vec = sums[6:]
     # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q, measured, proposal,
-    #  big^2, small^2]
+    #  small^2, C^2, Q^2, big^2]
     vec = torch.cat([
         block[:1], sums[1:4], block[3:4], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:3],
-        block[1:3], flag_vec[3:5], block[3:4].square(), block[:1].square(),
+        block[1:3], flag_vec[3:5], block.square(),  # one operator: the squares ride whole
     ])
     vec = cbs_dist.all_reduce_sum(vec, dp_group)
     ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
@@ -265,7 +265,8 @@ def _own_seconds(collector: GradStatsCollector, measured: bool, started: float) 
 def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int, replicas: bool = True,
                 own_seconds: float = 0.0) -> tuple[StepStats, WindowFaults]:
     """The reduced vector ``[small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q,
-    measured, proposal, big^2, small^2]`` (``ranks``: the ranks summed).
+    measured, proposal, small^2, C^2, Q^2, big^2]`` (``ranks``: the ranks summed; ``C^2`` and ``Q^2``
+    are carried only because squaring the four numbers as one block is a single operator).
 
     With ``group`` the per-rank sums were taken with ``D = 1``: the divisor is known only now,
     the group's units over the averaging ranks. With ``replicas`` every rank reported its
@@ -273,7 +274,7 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
     pairs (f_i - f_j)^2`` measures how far they disagree.
     """
     (small_total, count, inv_sum, units, big_total, nonfinite, unmeas, mism, bad, ran, c, q, meas, prop,
-     big_sq_total, small_sq_total) = values
+     small_sq_total, _, _, big_sq_total) = values
     measured = meas > ranks - 0.5  # every rank measured this window
     shared = (
         ranks > 1 and measured and nonfinite == 0 and small_total > 0

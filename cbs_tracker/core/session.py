@@ -392,6 +392,25 @@ class TrackingSession:
                 f"{self.owner}: {faults.invalid_sizes} microbatch size(s) of this step were negative or not "
                 "finite (size= must be a number >= 0; labels= counts labels != ignore_index)"
             )
+        if not faults.mismatched_ranks:
+            self._check_ranks(faults)
+            return
+        per_rank = (faults.microbatches_run or stats.num_microbatches) / max(self.dp_degree, 1)
+        message = (
+            f"{self.owner}: the window ran {per_rank:g} microbatches per rank on average but the tracker set "
+            f"accumulation_steps={window_accumulation}. Run exactly `tracker.accumulation_steps` "
+            "microbatches between two optimizer steps (it changes when the batch grows)."
+        )
+        if fatal and self.dp_degree > 1:
+            raise RuntimeError(
+                message + " With several data-parallel ranks the gradients of this window were not "
+                "all-reduced (no_sync), so stepping now would make the replicas diverge; stopped."
+            )
+        self._check_ranks(faults)
+        self.warn_once("window_mismatch", message + " This step is measured with the microbatches it ran.")
+
+    def _check_ranks(self, faults: WindowFaults) -> None:
+        """Raise when the ranks ran the same data, or when their synced gradients differ."""
         if faults.shared_data and self.dp_degree > 1:
             raise RuntimeError(
                 f"{self.owner}: the {self.dp_degree} ranks of the data-parallel group ran the same data (their "
@@ -413,20 +432,6 @@ class TrackingSession:
                 "left out of DDP, a gradient hook that changes gradients on one rank only, or a custom "
                 "data-parallel wrapper that does not average the gradients."
             )
-        if not faults.mismatched_ranks:
-            return
-        per_rank = (faults.microbatches_run or stats.num_microbatches) / max(self.dp_degree, 1)
-        message = (
-            f"{self.owner}: the window ran {per_rank:g} microbatches per rank on average but the tracker set "
-            f"accumulation_steps={window_accumulation}. Run exactly `tracker.accumulation_steps` "
-            "microbatches between two optimizer steps (it changes when the batch grows)."
-        )
-        if fatal and self.dp_degree > 1:
-            raise RuntimeError(
-                message + " With several data-parallel ranks the gradients of this window were not "
-                "all-reduced (no_sync), so stepping now would make the replicas diverge; stopped."
-            )
-        self.warn_once("window_mismatch", message + " This step is measured with the microbatches it ran.")
 
     def _advance(self, stats: StepStats, run: int, window_accumulation: int) -> None:
         """Count the step, its units and the starting-batch steps it held (the schedule's position).
