@@ -167,5 +167,6 @@ def run(rank: int, world: int, init_file: str, out_dir: str, names: list[str]) -
         for name in names:
             out = _fsdp_scenario(name, rank) if name.startswith("fsdp") else _ddp_scenario(name, rank)
             (Path(out_dir) / f"{name}.rank{rank}.json").write_text(json.dumps(out))
+        dist.barrier()  # both ranks done before the group goes away (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()

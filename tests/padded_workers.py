@@ -176,5 +176,6 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, kwargs: dict[str,
                 "records": [dataclasses.asdict(r) for r in run["records"]],
             }
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks done before the group goes away (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()

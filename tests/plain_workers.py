@@ -132,6 +132,7 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) 
         log = train(steps, rank=rank, world=world)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(log, f)
+        torch.distributed.barrier()  # both ranks done before the group goes away (gloo aborts otherwise)
     finally:
         torch.distributed.destroy_process_group()
 

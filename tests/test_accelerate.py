@@ -26,11 +26,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("accelerate")
 
 from tests import accelerate_workers as aw  # noqa: E402
+from tests.spawning import spawn  # noqa: E402
 
 TWO = ["grow", "bf16", "lr", "resume"]
 ONE = ["grow", "bf16", "lr", "resume", "loader", "fp16"]
@@ -46,7 +46,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, An
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
     tmp = tmp_path_factory.mktemp("accelerate2")
-    mp.spawn(aw.run_ranks, args=(2, str(tmp / "pg"), str(tmp), TWO), nprocs=2, join=True)
+    spawn(aw.run_ranks, args=(2, str(tmp / "pg"), str(tmp), TWO), nprocs=2, join=True)
     return {
         n: [torch.load(tmp / f"{n}.rank{r}.pt", weights_only=False) for r in range(2)] for n in TWO
     }

@@ -17,6 +17,7 @@ import torch
 
 from cbs_tracker import BatchSchedule
 from tests.hf_workers import Regression, ddp_worker, regression_data, training_args, window_checker
+from tests.spawning import spawn
 from tests.test_transformers import make
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -95,7 +96,7 @@ def _free_port() -> int:
 def test_the_schedule_on_two_gloo_processes_and_a_resume_there(tmp_path):
     # 64 samples: 32 per rank (16 microbatches), the global batch twice the single process's
     marks = tuple((2 * t, 2 * b) for t, b in MARKS)
-    torch.multiprocessing.spawn(ddp_worker, args=(2, _free_port(), str(tmp_path), 64, marks, True),
+    spawn(ddp_worker, args=(2, _free_port(), str(tmp_path), 64, marks, True),
                                 nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     r0, r1 = ranks[0]["rows"], ranks[1]["rows"]
@@ -116,7 +117,7 @@ def test_the_schedule_on_two_gloo_processes_and_a_resume_there(tmp_path):
     at = next(i + 1 for i, r in enumerate(r0) if r["setting"] == 6)
     ckpt = str(tmp_path / "run" / f"checkpoint-{at}")
     resumed = tmp_path / "resumed"
-    torch.multiprocessing.spawn(ddp_worker, args=(2, _free_port(), str(resumed), 64, marks, False, ckpt),
+    spawn(ddp_worker, args=(2, _free_port(), str(resumed), 64, marks, False, ckpt),
                                 nprocs=2, join=True)
     for r in range(2):
         tail = ranks[r]["rows"][at:]

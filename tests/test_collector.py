@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner, local_grad_sq_norm
 from cbs_tracker.demo.gpt import GPT, GPTConfig
 from tests import collector_workers as cw
+from tests.spawning import spawn
 
 
 def _gpt(dtype: torch.dtype = torch.float32) -> GPT:
@@ -373,7 +373,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.fail("torch.distributed with gloo is required")
     tmp = tmp_path_factory.mktemp("collector")
-    mp.spawn(cw.run, args=(2, str(tmp / "pg"), str(tmp), SCENARIOS), nprocs=2, join=True)
+    spawn(cw.run, args=(2, str(tmp / "pg"), str(tmp), SCENARIOS), nprocs=2, join=True)
     return {n: [json.loads(Path(tmp, f"{n}.rank{r}.json").read_text()) for r in range(2)] for n in SCENARIOS}
 
 

@@ -33,10 +33,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from tests import dist_workers as dw
+from tests.spawning import spawn
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -53,7 +53,7 @@ MEASURED = ("noise_scale", "grad_sq_norm", "trace_cov")
 
 
 def _spawn(tmp: Path, world: int, names: list[str]) -> dict[str, list[dict[str, Any]]]:
-    mp.spawn(dw.run_scenarios, args=(world, str(tmp / "pg"), str(tmp), names, STEPS), nprocs=world, join=True)
+    spawn(dw.run_scenarios, args=(world, str(tmp / "pg"), str(tmp), names, STEPS), nprocs=world, join=True)
     return {
         name: [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(world)] for name in names
     }

@@ -249,7 +249,7 @@ def test_results_quote_the_schedule_against_the_hand_written_ramp() -> None:
     results = (ROOT / "docs" / "results.md").read_text()
     readme = (ROOT / "README.md").read_text()
     final = f"{sched['final_val_loss']:.5f}"
-    assert f"| `BatchSchedule` | " in results and f"| {sched['steps']:,} | {final} |" in results
+    assert "| `BatchSchedule` | " in results and f"| {sched['steps']:,} | {final} |" in results
     assert f"| {hand['steps']:,} | {hand['final_val_loss']:.5f} |" in results
     for c in sched["batch_changes"]:
         assert f"{c['tokens']:,.0f}" in results

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from cbs_tracker import CBSTracker
 from cbs_tracker.core.estimator import estimate_from_norms
 from tests.doubles import PlanController
+from tests.spawning import spawn
 from tests.test_microbatch_first import ROWS, Indexed
 
 WORLD = 2
@@ -83,6 +83,7 @@ def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
             optimizer.zero_grad(set_to_none=True)
         windows[-1]["weights"] = [_full(p) for p in model.parameters()]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(windows))
+        dist.barrier()  # both ranks done before the group goes away (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 
@@ -90,7 +91,7 @@ def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
     tmp = tmp_path_factory.mktemp(f"mbfirst_{request.param}")
-    mp.spawn(_worker, args=(request.param, str(tmp / "pg"), str(tmp)), nprocs=WORLD, join=True)
+    spawn(_worker, args=(request.param, str(tmp / "pg"), str(tmp)), nprocs=WORLD, join=True)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -170,12 +171,13 @@ def _auto_worker(rank: int, init_file: str, out_dir: str) -> None:
             optimizer.zero_grad(set_to_none=True)
         out = dict(layouts=layouts, weights=[_full(p) for p in model.parameters()])
         Path(out_dir, f"auto{rank}.json").write_text(json.dumps(out))
+        dist.barrier()  # both ranks done before the group goes away (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 
 
 def test_auto_takes_the_smallest_fit_of_all_ranks(tmp_path):
-    mp.spawn(_auto_worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_auto_worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [json.loads((tmp_path / f"auto{r}.json").read_text()) for r in range(WORLD)]
     assert ranks[0]["layouts"] == ranks[1]["layouts"], ranks[0]["layouts"]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical

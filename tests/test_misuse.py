@@ -19,12 +19,12 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from cbs_tracker import BatchSizeController, CBSCallback, CBSTracker, NoiseScaleEstimator
 from tests import engine_workers
 from tests.lightning_workers import PlanController, Recorder, Regression, regression_data
+from tests.spawning import spawn
 
 LIGHTNING_FILTERS = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -55,7 +55,7 @@ def _data(n, seed, d=4):
 
 # ---------------------------------------------------------------------------- 1. window size
 def test_ddp_loop_that_ignores_the_accumulation_stops_before_replicas_diverge(tmp_path):
-    mp.spawn(engine_workers.loop_ignores_accumulation, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2,
+    spawn(engine_workers.loop_ignores_accumulation, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2,
              join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:

@@ -18,6 +18,7 @@ import torch
 
 from cbs_tracker import NoiseScaleEstimator
 from tests.padded_workers import PaddedTokens, TokenRegression, ddp_worker, plain_run, setting, truth
+from tests.spawning import spawn
 
 STEPS, ACCUMULATION, ROWS = 2500, 4, 2
 #: steps of the Trainer and Lightning runs, compared step for step with the plain loop's first ones
@@ -163,7 +164,7 @@ def test_two_gloo_ranks_with_different_token_counts():
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
-        torch.multiprocessing.spawn(ddp_worker, args=(2, port, out, dict(
+        spawn(ddp_worker, args=(2, port, out, dict(
             rows=steps * ACCUMULATION * ROWS, steps=steps, accumulation=ACCUMULATION, rows_per_micro=ROWS,
             valid=[(8, 32), (24, 64)], normalizations=normalizations)),
                                     nprocs=2, join=True)

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests import plain_workers
+from tests.spawning import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 300
@@ -67,7 +67,7 @@ def test_resume_in_a_new_process_gives_the_same_schedule(uninterrupted, tmp_path
 
 def test_two_gloo_ranks_with_different_data_take_identical_decisions(tmp_path):
     steps = 300
-    mp.spawn(
+    spawn(
         plain_workers.ddp_worker,
         args=(2, str(tmp_path / "pg"), str(tmp_path), steps),
         nprocs=2,

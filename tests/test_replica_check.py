@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cbs_tracker.core.measure import _step_stats
 from tests import desync_workers as w
+from tests.spawning import spawn
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run(tmp_path, toggle: bool) -> list[dict]:
-    mp.spawn(w.toggle_worker, args=(2, str(tmp_path / f"pg{int(toggle)}"), str(tmp_path), toggle),
+    spawn(w.toggle_worker, args=(2, str(tmp_path / f"pg{int(toggle)}"), str(tmp_path), toggle),
              nprocs=2, join=True)
     return [torch.load(tmp_path / f"toggle{int(toggle)}.rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -73,7 +73,7 @@ def test_the_spread_of_the_ranks_fingerprints(ranks):
 
 
 def test_ranks_given_as_data_parallel_that_share_their_data_are_refused(tmp_path):
-    mp.spawn(w.toggle_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), False, True), nprocs=2, join=True)
+    spawn(w.toggle_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), False, True), nprocs=2, join=True)
     for r in range(2):
         out = torch.load(tmp_path / f"toggle0.rank{r}.pt", weights_only=False)
         assert out["steps"] == 0 and "ran the same data" in out["error"] and "mesh_dim='dp'" in out["error"]

@@ -21,6 +21,7 @@ from torch import nn
 from cbs_tracker import CBSCallback, CBSTracker
 from cbs_tracker.policy.lr import token_schedule
 from tests.lightning_workers import PlanController, Regression, regression_data
+from tests.spawning import spawn
 
 A0 = 2
 TOTAL = 48  # optimizer steps of the constant run
@@ -273,11 +274,10 @@ def test_lightning_schedule_sized_from_estimated_stepping_batches_finishes_with_
 def test_fsdp2_on_two_gloo_ranks_follows_the_same_timing(tmp_path):
     import json
 
-    import torch.multiprocessing as mp
 
     from tests import engine_workers
 
-    mp.spawn(engine_workers.fsdp_schedule, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
+    spawn(engine_workers.fsdp_schedule, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"fsdp{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     model = _model()

@@ -28,6 +28,7 @@ from tests.hf_workers import (  # noqa: E402
     training_args,
     window_checker,
 )
+from tests.spawning import spawn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +104,7 @@ def test_two_gloo_processes_step_alike_on_exact_windows(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # 56 samples: 28 per rank, the windows of the single-process test on each rank
-    torch.multiprocessing.spawn(ddp_worker, args=(2, port, str(tmp_path), 56, PLAN), nprocs=2, join=True)
+    spawn(ddp_worker, args=(2, port, str(tmp_path), 56, PLAN), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     r0, r1 = ranks[0]["rows"], ranks[1]["rows"]
     assert [r["microbatches"] for r in r0] == [r["microbatches"] for r in r1] == EXPECTED_WINDOWS
