@@ -1,0 +1,69 @@
+"""The Lightning Fabric (LitGPT shape) and Accelerate (``run_clm_no_trainer`` shape) examples, as the README runs them.
+
+Each runs ``--quick`` on the demo corpus in a subprocess: the batch grows, the run ends at the
+first window boundary at or after the token budget (the data of the constant-batch run), and
+the checkpoint it saves resumes the tracker where it stopped. The loops' gradients, syncs and
+noise scale are tested against references in ``tests/test_fabric.py`` and
+``tests/test_accelerate.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 1.5e5  # --quick's token budget
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _changes(out: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in re.findall(r"-> accumulation (\d+) -> (\d+)", out)]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_fabric_example_grows_the_batch_and_resumes(tmp_path, devices):
+    pytest.importorskip("lightning")
+    script = str(ROOT / "examples" / "fabric_gpt.py")
+    out = _run([sys.executable, script, "--quick", "--devices", str(devices)], tmp_path)
+    changes = _changes(out)
+    assert changes and changes[0] == (2, 4), out  # the batch grew
+    steps, tokens, accumulation = re.search(
+        r"done: (\d+) steps, ([\d,]+) tokens .* accumulation (\d+) per rank", out).groups()
+    tokens = int(tokens.replace(",", ""))
+    largest = 256 * devices * int(accumulation)  # the last window's tokens
+    assert BUDGET <= tokens < BUDGET + largest, out
+    assert int(accumulation) == changes[-1][1]
+    if devices == 1:  # fabric.load puts the tracker back where fabric.save left it
+        again = _run([sys.executable, script, "--quick", "--resume", "out/fabric_gpt/last.ckpt", "--out", "again"],
+                     tmp_path)
+        assert f"resumed at step {steps}, {tokens:,} tokens, accumulation {accumulation}" in again, again
+
+
+def test_accelerate_example_grows_the_batch_and_saves_its_state(tmp_path):
+    pytest.importorskip("accelerate")
+    script = str(ROOT / "examples" / "accelerate_gpt.py")
+    out = _run([sys.executable, script, "--quick"], tmp_path)
+    changes = _changes(out)
+    assert changes and changes[0] == (2, 4), out
+    constant = int(re.search(r"(\d+) constant-batch steps", out).group(1))
+    steps, at_start, tokens, accumulation = re.search(
+        r"done: (\d+) optimizer steps \(([\d.]+) at the starting batch\), ([\d,]+) tokens, .* accumulation (\d+);",
+        out).groups()
+    assert constant <= float(at_start) < constant + int(accumulation) // 2, out  # ends within the last window
+    assert int(tokens.replace(",", "")) == float(at_start) * 512
+    assert int(steps) < constant  # fewer optimizer steps than the constant run on the same data
+    again = _run([sys.executable, script, "--quick", "--resume_from_checkpoint", f"out/accelerate_gpt/step_{steps}",
+                  "--output_dir", "again"], tmp_path)
+    assert f"resumed at step {steps}, {int(tokens.replace(',', '')):,} tokens, accumulation {accumulation}" in again, again
