@@ -51,10 +51,14 @@ def test_fabric_example_grows_the_batch_and_resumes(tmp_path, devices):
         assert f"resumed at step {steps}, {tokens:,} tokens, accumulation {accumulation}" in again, again
 
 
-def test_accelerate_example_grows_the_batch_and_saves_its_state(tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_accelerate_example_grows_the_batch_and_saves_its_state(tmp_path, processes):
     pytest.importorskip("accelerate")
     script = str(ROOT / "examples" / "accelerate_gpt.py")
-    out = _run([sys.executable, script, "--quick"], tmp_path)
+    launch = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    out = _run([*launch, script, "--quick"], tmp_path)
+    assert f"accelerate_gpt: {processes} process(es)" in out, out
     changes = _changes(out)
     assert changes and changes[0] == (2, 4), out
     constant = int(re.search(r"(\d+) constant-batch steps", out).group(1))
@@ -62,8 +66,10 @@ def test_accelerate_example_grows_the_batch_and_saves_its_state(tmp_path):
         r"done: (\d+) optimizer steps \(([\d.]+) at the starting batch\), ([\d,]+) tokens, .* accumulation (\d+);",
         out).groups()
     assert constant <= float(at_start) < constant + int(accumulation) // 2, out  # ends within the last window
-    assert int(tokens.replace(",", "")) == float(at_start) * 512
+    assert int(tokens.replace(",", "")) == float(at_start) * 512 * processes
     assert int(steps) < constant  # fewer optimizer steps than the constant run on the same data
+    if processes > 1:
+        return
     again = _run([sys.executable, script, "--quick", "--resume_from_checkpoint", f"out/accelerate_gpt/step_{steps}",
                   "--output_dir", "again"], tmp_path)
     assert f"resumed at step {steps}, {int(tokens.replace(',', '')):,} tokens, accumulation {accumulation}" in again, again
