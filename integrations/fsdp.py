@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
-from cbs_tracker.core.loop import LoopTracker
+from cbs_tracker.core.loop import LoopTracker, _refuse_pipeline
 
 __all__ = ["FSDPTracker", "GradientSync"]
 
@@ -67,6 +67,7 @@ class FSDPTracker(LoopTracker):
         gradient_sync: GradientSync = "last",
         **kwargs: Any,
     ) -> None:
+        _refuse_pipeline(model, "FSDPTracker")
         fsdp_module = _fsdp_module_type()
         dtensor = _dtensor_type()
         if not isinstance(model, fsdp_module):

@@ -518,3 +518,28 @@ def test_a_cap_lr_at_peak_that_is_not_a_flag_is_refused_naming_it():
 
     with pytest.raises(TypeError, match=r"CBSTrainer\(cap_lr_at_peak='yes'\): expected True, False or None"):
         CBSTrainer(cap_lr_at_peak="yes")
+
+
+def test_a_pipeline_stage_or_schedule_is_refused_with_the_reason(tmp_path):
+    """torch.distributed.pipelining runs its own microbatches inside schedule.step(): refused, naming why (before,
+    a stage or schedule got the generic "expected a torch.nn.Module")."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()) or dist.is_initialized():
+        pytest.skip("needs gloo and no process group in this process")
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from cbs_tracker.integrations.fsdp import FSDPTracker
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        module = nn.Linear(3, 1)
+        stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, target: (out - target).pow(2).mean())
+        for cls in (CBSTracker, FSDPTracker):
+            for model in (stage, schedule):
+                with pytest.raises(TypeError, match=rf"{cls.__name__}\(model={type(model).__name__}\): pipeline "
+                                                    "parallelism is not supported.*inside one step\\(\\) call"):
+                    cls(model, torch.optim.SGD(module.parameters(), lr=0.1), accumulation_steps=2)
+    finally:
+        dist.destroy_process_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -136,6 +137,7 @@ class LoopTracker:
         max_microbatch: int | None = None,
     ) -> None:
         name = type(self).__name__
+        _refuse_pipeline(model, name)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{name}(model={type(model).__name__}): expected a torch.nn.Module")
         if optimizer is not None and not hasattr(optimizer, "param_groups"):
@@ -831,3 +833,20 @@ def _join(parts: list[Any]) -> Any:
             return type(first)(*joined)
         return tuple(joined) if isinstance(first, tuple) else joined
     raise TypeError(f"cannot join loader batches of type {type(first).__name__} (tensors, tuples, lists, dicts)")
+
+
+def _refuse_pipeline(model: Any, name: str) -> None:
+    """Refuse a ``torch.distributed.pipelining`` stage or schedule, with the reason."""
+    pipelining = sys.modules.get("torch.distributed.pipelining")  # imported iff the user built a pipeline
+    if pipelining is None:
+        return
+    stage = getattr(getattr(pipelining, "stage", None), "_PipelineStageBase", ())
+    schedule = getattr(getattr(pipelining, "schedules", None), "_PipelineSchedule", ())
+    if isinstance(model, (stage, schedule)):
+        raise TypeError(
+            f"{name}(model={type(model).__name__}): pipeline parallelism is not supported. The schedule splits "
+            "each batch into its own microbatches and accumulates their gradients inside one step() call, so "
+            "the tracker cannot see a microbatch's gradient or set the window, and each stage holds different "
+            "parameters. Measure the noise scale in a data-parallel run of the same model (it is a property of "
+            "the gradient, not of how the model is split across devices)."
+        )

@@ -429,8 +429,10 @@ class TrackingSession:
                 "that sets model.require_backward_grad_sync or enters no_sync() from its own accumulation "
                 "count: let `with tracker.microbatch(...)` handle the sync, it runs tracker.accumulation_steps "
                 "microbatches and syncs the last), a backward outside the tracker's microbatches, parameters "
-                "left out of DDP, a gradient hook that changes gradients on one rank only, or a custom "
-                "data-parallel wrapper that does not average the gradients."
+                "left out of DDP, a gradient hook that changes gradients on one rank only, a custom "
+                "data-parallel wrapper that does not average the gradients, or ranks that are not replicas "
+                "(pipeline stages or tensor-parallel shards given as the data-parallel group: pass "
+                "process_group= or device_mesh=..., mesh_dim='dp')."
             )
 
     def _advance(self, stats: StepStats, run: int, window_accumulation: int) -> None:
