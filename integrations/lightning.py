@@ -446,8 +446,10 @@ class CBSCallback(Callback):
             if config.interval == "step" and session.timer is None:
                 # Lightning steps it where (batch_idx + 1) % frequency == 0 at an optimizer step: at the
                 # starting accumulation A0, once every lcm(A0, frequency) / A0 optimizer steps
-                a0 = session.starting_accumulation
-                session.attach_scheduler(config.scheduler, period=math.lcm(a0, int(config.frequency)) // a0)
+                # (a0 is a fraction of a microbatch only after a resume on more ranks: then every `frequency`)
+                a0, frequency = session.starting_accumulation, int(config.frequency)
+                period = math.lcm(int(a0), frequency) // int(a0) if float(a0).is_integer() else frequency
+                session.attach_scheduler(config.scheduler, period=period)
             elif config.interval == "epoch":
                 # an epoch holds the same data at any batch size: stepped once per Lightning call (which,
                 # by Lightning's version, comes at the epoch's last batch or after on_train_epoch_end)

@@ -402,8 +402,10 @@ def test_state_saved_by_one_adapter_is_refused_by_another_on_unit_or_dp_degree()
     lightning_state = CBSCallback(unit="tokens", batch_size_fn=lambda b: 1).state_dict()
     with pytest.raises(ValueError, match=r"the checkpoint counts 'tokens' but this run counts 'samples'"):
         CBSTracker(nn.Linear(2, 1), unit="samples").load_state_dict(lightning_state)
-    with pytest.raises(ValueError, match=r"taken with dp_degree=4 but this run has dp_degree=1"):
-        CBSTracker(nn.Linear(2, 1), unit="tokens").load_state_dict({**lightning_state, "dp_degree": 4})
+    # another degree converts (the global batch kept); a controller that cannot convert is refused
+    moved = CBSTracker(nn.Linear(2, 1), unit="tokens")
+    moved.load_state_dict({**lightning_state, "dp_degree": 4})
+    assert moved.accumulation_steps == 4 * lightning_state["accumulation_steps"]
     # the same unit and degree: one adapter's state loads in the other
     CBSTracker(nn.Linear(2, 1), unit="tokens").load_state_dict(lightning_state)
 

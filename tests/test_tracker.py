@@ -299,12 +299,13 @@ def test_calls_in_the_wrong_order_are_refused():
                 pass
 
 
-def test_state_dict_refuses_another_dp_degree():
+def test_a_state_of_another_dp_degree_converts_keeping_the_global_batch():
     tracker = CBSTracker(nn.Linear(2, 1), accumulation_steps=2)
     state = tracker.state_dict()
     state["dp_degree"] = 4
-    with pytest.raises(ValueError, match=r"taken with dp_degree=4 but this run has dp_degree=1"):
-        tracker.load_state_dict(state)
+    tracker.load_state_dict(state)  # 2 microbatches on each of 4 ranks: 8 on this one
+    assert tracker.accumulation_steps == 8 and tracker.session.starting_accumulation == 8
+    assert tracker.state_dict()["dp_degree"] == 1
     del state["estimator"]
     with pytest.raises(KeyError, match=r"missing keys \['estimator'\]"):
         tracker.load_state_dict(state)

@@ -21,6 +21,7 @@ from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import REPLICA_TOLERANCE, WindowFaults
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.policy.lr import ScheduleTimer, coupling_factor, resolve_coupling
+from cbs_tracker.policy.ranks import RankChange, plain_number
 
 __all__ = ["SESSION_STATE_VERSION", "TrackingSession", "check_size"]
 
@@ -182,6 +183,9 @@ class TrackingSession:
         self.last_decision: Any | None = None
         self.changed_this_step = False
         self._warned: set[str] = set()
+        #: the rank change the last load_state_dict converted (``None``: same ranks, or no resume)
+        self.resumed_from: RankChange | None = None
+        self._recouple = False
         self._sanity = [0, 0.0, 0.0, 0.0]  # measured steps, sum small, sum big, sum K
         if budget is not None and self.coupling_mode in ("sqrt", "linear") and not cap_lr_at_peak:
             self.warn_once(
@@ -259,6 +263,9 @@ class TrackingSession:
     def start_window(self) -> bool:
         """A window starts: note the time (for ``measure_every="auto"``); returns whether it is measured."""
         self._window_start = time.perf_counter()
+        if self._recouple:
+            self._recouple = False
+            self._set_coupling(coupling_factor(self.coupling_mode, self.accumulation_steps / self.starting_accumulation))
         return self.cadence.measure_next()
 
     def finish_step(
@@ -609,6 +616,54 @@ class TrackingSession:
             self.warn_once("accumulation_cap", f"{self.owner}: growth is capped at accumulation {cap}: {reason}")
 
     # ------------------------------------------------------------------ state
+    def _convert_ranks(self, state: dict[str, Any], dp: int, where: str) -> tuple[dict[str, Any], RankChange]:
+        """``state`` of a run on ``dp`` data-parallel ranks, for this run's ``dp_degree`` (the global batch kept).
+
+        See :mod:`cbs_tracker.policy.ranks`. Warns once when the global batch cannot be split
+        evenly over the new ranks, naming both batches.
+        """
+        accumulation = _int(state, "accumulation_steps", where, minimum=1)
+        pending = _int(state, "pending_accumulation_steps", where, minimum=0, default=0)
+        controller_state = state.get("controller")
+        if self.controller is not None and controller_state is not None and not callable(
+            getattr(self.controller, "convert_ranks", None)
+        ):
+            raise ValueError(
+                f"{where}: the checkpoint was taken with dp_degree={dp} but this run has "
+                f"dp_degree={self.dp_degree}, and the controller {type(self.controller).__name__} has no "
+                "convert_ranks(state, change) to move its per-rank accumulation; resume with the same number "
+                "of data-parallel ranks, or give the controller that method (BatchSizeController and "
+                "BatchSchedule have it)"
+            )
+        change = RankChange.plan(dp, self.dp_degree, accumulation)
+        out = dict(state)
+        out["dp_degree"] = self.dp_degree
+        out["accumulation_steps"] = change.new_accumulation
+        new_pending = change.accumulation(pending) if pending > 0 else None
+        out["pending_accumulation_steps"] = 0 if new_pending is None or new_pending == change.new_accumulation \
+            else new_pending
+        start = _count(state, "starting_accumulation", where, default=self.starting_accumulation)
+        out["starting_accumulation"] = plain_number(start * change.per_rank)
+        carry = _float(state, "starting_batch_carry", where, minimum=0.0, default=0.0)
+        out["starting_batch_carry"] = carry * change.per_rank
+        if self.controller is not None and controller_state is not None:
+            out["controller"] = self.controller.convert_ranks(controller_state, change,
+                                                              pending=pending if pending > 0 else None)
+        if not change.exact:
+            micro = _micro_units(controller_state, dp)
+            self._resume_warning = (
+                f"uneven_ranks_{dp}_{self.dp_degree}",
+                f"{self.owner}: resumed on {self.dp_degree} data-parallel ranks from a checkpoint of {dp}: "
+                + change.describe(micro, self.unit)
+                + ("" if new_pending is None or pending == accumulation else
+                   f"; the change decided before the checkpoint, to {pending * dp} microbatches, runs as "
+                   f"{new_pending * self.dp_degree} ({new_pending} per rank), the same doubling")
+                + f"; the learning-rate coupling follows the batch that runs ({self.coupling_mode}). To keep the batch "
+                "exactly, resume on a number of ranks that divides "
+                f"{change.old_microbatches}.",
+            )
+        return out, change
+
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers and a version: everything needed to continue the same run."""
         return {
@@ -662,17 +717,15 @@ class TrackingSession:
                 "the noise scale and batch sizes would mix units"
             )
         dp = _int(state, "dp_degree", where, minimum=1)
+        change = None
+        self._resume_warning: tuple[str, str] | None = None
         if dp != self.dp_degree:
-            raise ValueError(
-                f"{where}: the checkpoint was taken with dp_degree={dp} but this run has "
-                f"dp_degree={self.dp_degree}; accumulation_steps={state['accumulation_steps']!r} would give a "
-                "different global batch. Resume with the same number of data-parallel ranks."
-            )
+            state, change = self._convert_ranks(state, dp, where)
         step = _int(state, "step", where, minimum=0)
         seen = _float(state, "tokens_seen", where, minimum=0.0)
         accumulation = _int(state, "accumulation_steps", where, minimum=1)
         pending = _int(state, "pending_accumulation_steps", where, minimum=0, default=0)
-        start = _int(state, "starting_accumulation", where, minimum=1, default=self.starting_accumulation)
+        start = _count(state, "starting_accumulation", where, default=self.starting_accumulation)
         sb_steps = _int(state, "starting_batch_steps", where, minimum=0, default=step)
         sb_carry = _float(state, "starting_batch_carry", where, minimum=0.0, default=0.0)
         coupling = _float(state, "lr_coupling", where, minimum=0.0, default=1.0, positive=True)
@@ -703,6 +756,10 @@ class TrackingSession:
             raise
         self.step = step
         self.units_seen = seen
+        self.resumed_from = change
+        # an uneven split: the LR follows the batch that runs, set when the next window starts (after a
+        # pending change, and over an optimizer loaded after the tracker with the saved coupling in its LR)
+        self._recouple = change is not None and not change.exact
         self.starting_batch_steps = sb_steps
         self.starting_batch_carry = sb_carry
         self.starting_accumulation = start
@@ -710,6 +767,10 @@ class TrackingSession:
         self.pending_accumulation = pending if pending > 0 else None
         self.coupling = coupling
         self._warned = set(warned)
+        if self._resume_warning is not None:
+            key, message = self._resume_warning
+            self._resume_warning = None
+            self.warn_once(key, message)
         cadence = state.get("cadence")
         if isinstance(cadence, dict):
             self.cadence.load_state_dict(cadence)
@@ -719,6 +780,22 @@ class TrackingSession:
                 self.timer.load_state_dict(schedule)
         else:
             self._pending_schedule_state = schedule
+
+
+def _micro_units(controller_state: Any, dp: int) -> float | None:
+    """Units of one microbatch from a controller's counts (``None`` when it has none)."""
+    try:
+        units, accum = float(controller_state["units_sum"]), float(controller_state["accumulation_sum"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return units / (accum * dp) if accum > 0 and units > 0 else None
+
+
+def _count(state: Any, key: str, where: str, *, default: float) -> int | float:
+    """A positive count: an int, or a fraction of a microbatch per rank after a resume on more ranks."""
+    if isinstance(state.get(key), float):
+        return plain_number(_float(state, key, where, minimum=0.0, positive=True))
+    return _int(state, key, where, minimum=1, default=default)  # type: ignore[arg-type]
 
 
 def _int(state: Any, key: str, where: str, *, minimum: int, default: int | None = None) -> int:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from cbs_tracker.policy.controller import Decision
 from cbs_tracker.policy.kappa import KappaSchedule, parse_kappa
+from cbs_tracker.policy.ranks import RankChange, plain_number
 
 __all__ = ["BatchSchedule"]
 
@@ -269,7 +270,10 @@ class BatchSchedule:
         self._last_step, self._last_tokens = step, float(tokens_seen)
         assert self._slot is not None
         scheduled = self.batch_at(tokens_seen)
-        target = self._a0 if scheduled is None else self._check_layout(tokens_seen, scheduled, self._slot, ranks=None)
+        if scheduled is not None:
+            target = self._check_layout(tokens_seen, scheduled, self._slot, ranks=None)
+        else:  # the starting layout (unless a resume on more ranks made it a fraction of a microbatch)
+            target = int(self._a0) if float(self._a0).is_integer() else self._decided
         reason = "schedule" if scheduled is None else f"schedule: {scheduled:g} from {self._mark_of(tokens_seen):g} units"
         cap = self.max_accumulation_steps
         if cap is not None and target > cap:
@@ -356,6 +360,22 @@ class BatchSchedule:
             "marks": [[t, b] for t, b in self.marks],
         }
 
+    def convert_ranks(self, state: Mapping[str, Any], change: RankChange, *,
+                      pending: int | None = None) -> dict[str, Any]:
+        """:meth:`state_dict` output of a run on ``change.old_dp`` ranks, for a run on ``change.new_dp``:
+        the units per microbatch slot move by ``D' / D``, the starting accumulation by ``D / D'`` (the
+        starting global batch is kept) and the accumulation decided last by ``A' / A``."""
+        out = dict(state)
+        if float(state.get("slot", 0.0)) > 0:
+            out["slot"] = float(state["slot"]) / change.per_rank
+        start = state.get("start_accumulation_steps", 0)
+        if isinstance(start, (int, float)) and not isinstance(start, bool) and start > 0:
+            out["start_accumulation_steps"] = plain_number(float(start) * change.per_rank)
+        decided = state.get("accumulation_steps", 0)
+        if isinstance(decided, int) and decided > 0:
+            out["accumulation_steps"] = change.accumulation(decided) or change.new_accumulation
+        return out
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; checks everything before changing anything."""
         owner = "BatchSchedule.load_state_dict"
@@ -370,6 +390,8 @@ class BatchSchedule:
         ints = {k: state.get(k, 0) for k in ("start_accumulation_steps", "accumulation_steps", "last_step",
                                              "above_steps", "warned", "capped")}
         for key, value in ints.items():
+            if key == "start_accumulation_steps" and isinstance(value, float) and math.isfinite(value) and value > 0:
+                continue  # a fraction of a microbatch per rank after a resume on more ranks
             if isinstance(value, bool) or not isinstance(value, int) or value < (-1 if key == "last_step" else 0):
                 raise ValueError(f"{owner}: state[{key!r}]={value!r}: expected an integer >= 0")
         floats = {k: state.get(k, -1.0) for k in ("slot", "last_tokens", "above_since")}

@@ -21,6 +21,7 @@ from cbs_tracker.policy.guard import FeedbackGuard
 from cbs_tracker.policy.kappa import KappaSchedule, parse_kappa
 from cbs_tracker.policy.level import BatchLevel
 from cbs_tracker.policy.plan import BudgetPlan
+from cbs_tracker.policy.ranks import RankChange, convert_level_state
 from cbs_tracker.policy.rules import GrowthRules
 
 __all__ = ["BatchSizeController", "Decision"]
@@ -338,6 +339,16 @@ class BatchSizeController:
         state["kappa_points"] = [] if self._kappa_schedule is None else self._kappa_schedule.state_dict()
         return state
 
+    def convert_ranks(self, state: Mapping[str, Any], change: RankChange, *,
+                      pending: int | None = None) -> dict[str, Any]:
+        """:meth:`state_dict` output of a run on ``change.old_dp`` ranks, for a run on ``change.new_dp``.
+
+        Only the level's per-rank counts move (see :mod:`cbs_tracker.policy.ranks`): the
+        measurements, the guard, the plan and ``kappa`` are in units and stay. ``pending``: the
+        accumulation per rank the old run had decided but not yet run (``None``: none).
+        """
+        return convert_level_state(dict(state), change, pending)
+
     # the level's and the rules' state and the guard's state flag (its other keys and those of
     # the plan and the conversion are optional: states written before them still load)
     _REQUIRED_KEYS = ("version", *BatchLevel.KEYS, *GrowthRules.KEYS, "trap_state")
@@ -524,6 +535,9 @@ class BatchSizeController:
 
     def _change_to(self, exponent: int, now: _Now, reason: str, *, measured_doubling: bool = False) -> Decision:
         level = self._level
+        if not level.runnable(exponent):  # a ladder scaled by a resume on more ranks: A0 * 2**e may be 1/2
+            return self._hold(now, f"{reason}: not run, {level.accum(exponent):g} microbatches per rank is not a "
+                                   "whole number on these data-parallel ranks")
         old_batch = level.batch()
         level.move_to(exponent)
         self._rules.grow_count = self._rules.shrink_count = 0

@@ -37,9 +37,22 @@ class BatchLevel:
         self.pending = False
         self.effective_tokens = -math.inf  # tokens_seen when the last change took effect
 
-    def accum(self, exponent: int) -> int:
-        """Accumulation steps of level ``exponent``."""
-        return self.a0 << exponent if exponent >= 0 else self.a0 >> (-exponent)
+    def accum(self, exponent: int) -> int | float:
+        """Accumulation steps of level ``exponent``.
+
+        ``A0`` is a whole number unless the run was resumed on more data-parallel ranks than it
+        started with (``A0 = 1`` on 2 ranks is ``0.5`` per rank on 4); a level whose accumulation
+        is then not a whole number cannot run (:meth:`runnable`).
+        """
+        if isinstance(self.a0, int):
+            return self.a0 << exponent if exponent >= 0 else self.a0 >> (-exponent)
+        value = self.a0 * 2.0**exponent
+        return int(value) if value.is_integer() else value
+
+    def runnable(self, exponent: int) -> bool:
+        """Level ``exponent`` is a whole number of microbatches per rank, at least one."""
+        value = self.accum(exponent)
+        return value >= 1 and float(value).is_integer()
 
     def unit_batch(self) -> float:
         """Mean units per accumulation step so far."""
@@ -88,24 +101,26 @@ class BatchLevel:
     def parse_state(read: StateReader) -> dict[str, Any]:
         """Validate this part's keys; returns the values :meth:`assign` takes."""
         started = read.flag("started")
-        a0 = read.integer("start_accumulation_steps", minimum=1 if started else 0)
+        # whole numbers, or fractions after a resume on more data-parallel ranks (see policy/ranks.py)
+        a0 = _count(read, "start_accumulation_steps", positive=started)
         parsed = {
             "started": started,
             "a0": a0,
             "units_sum": read.number("units_sum", minimum=0.0),
-            "accum_sum": read.integer("accumulation_sum", minimum=0),
-            "exponent": read.integer("exponent", minimum=-(max(a0, 1).bit_length() - 1), maximum=62),
+            "accum_sum": _count(read, "accumulation_sum", positive=False),
+            "exponent": read.integer("exponent", minimum=-(max(int(math.ceil(a0)), 1).bit_length() - 1),
+                                     maximum=62),
             "steps": read.integer("steps", minimum=0),
             "last_step": read.integer("last_step", minimum=-1),
             "last_tokens": read.number("last_tokens", minimum=-1.0),
             "pending": read.flag("pending"),
             "effective_tokens": read.number("effective_tokens", minimum=-1.0),
         }
-        if started and (parsed["accum_sum"] < 1 or parsed["units_sum"] <= 0):
+        if started and (parsed["accum_sum"] <= 0 or parsed["units_sum"] <= 0):
             raise ValueError(
                 f"{read.owner}: state['accumulation_sum']={parsed['accum_sum']!r}, "
                 f"state['units_sum']={parsed['units_sum']!r}: a started controller has seen at least "
-                "one step (accumulation_sum >= 1 and units_sum > 0)"
+                "one step (accumulation_sum > 0 and units_sum > 0)"
             )
         return parsed
 
@@ -114,3 +129,12 @@ class BatchLevel:
             setattr(self, name, parsed[name])
         self.last_tokens = parsed["last_tokens"] if parsed["last_tokens"] >= 0 else -math.inf
         self.effective_tokens = parsed["effective_tokens"] if parsed["effective_tokens"] >= 0 else -math.inf
+
+
+def _count(read: StateReader, key: str, *, positive: bool) -> int | float:
+    """A count saved as an int, or as a float after a resume on another number of ranks."""
+    value = read.state.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        read.integer(key, minimum=1 if positive else 0)  # raises, naming the key
+    number = read.number(key, positive=positive, minimum=0.0)
+    return int(number) if number.is_integer() else number

@@ -1,0 +1,117 @@
+"""Workers for resuming a plain-loop / DDP / FSDP2 run on another number of data-parallel ranks.
+
+The data is a pure function of ``(step, g)`` where ``g`` is the microbatch's index in the
+*global* batch (rank-major: rank ``r``'s ``j``-th microbatch is ``g = r * A + j``), so a
+step of ``K`` microbatches holds the same samples however they are split over ranks. The
+truth is one process running all ``K`` microbatches of every step (``reference``): a run
+checkpointed on 2 ranks and resumed on ``D'`` must give its global batch, its learning
+rate and its decisions at every step, its noise scale and its weights (float64, to rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cbs_tracker import CBSTracker
+from tests.dist_workers import (
+    LR,
+    init_process_group,
+    make_controller,
+    make_estimator,
+    make_model,
+    make_scheduler,
+    microbatch_data,
+)
+
+START_ACCUMULATION = 2  # per rank, on the 2 ranks the run starts with (K0 = 4 microbatches)
+START_RANKS = 2
+
+
+def record(rec: Any, tracker: CBSTracker) -> dict[str, Any]:
+    return {
+        "step": rec.step, "global_batch": rec.global_batch, "dp_degree": rec.dp_degree,
+        "microbatches": rec.accumulation_steps * rec.dp_degree,
+        "next_microbatches": rec.next_accumulation_steps * rec.dp_degree,
+        "lr": rec.lr, "scheduled_lr": rec.scheduled_lr, "lr_coupling": rec.lr_coupling,
+        "noise_scale": rec.noise_scale, "grad_sq_norm": rec.grad_sq_norm, "trace_cov": rec.trace_cov,
+        "tokens_seen": rec.tokens_seen, "starting_batch_steps": tracker.starting_batch_steps,
+    }
+
+
+def build(model: nn.Module, accumulation: int) -> tuple[CBSTracker, torch.optim.Optimizer, Any]:
+    params = model.module.parameters() if isinstance(model, nn.parallel.DistributedDataParallel) else model.parameters()
+    opt = torch.optim.SGD(params, lr=LR)
+    scheduler = make_scheduler(opt)
+    tracker = CBSTracker(model, opt, accumulation_steps=accumulation, unit="samples", estimator=make_estimator(),
+                         controller=make_controller(), lr_scheduler=scheduler)
+    return tracker, opt, scheduler
+
+
+def train(model: nn.Module, tracker: CBSTracker, opt: Any, scheduler: Any, *, first_step: int, last_step: int,
+          rank: int) -> list[dict[str, Any]]:
+    """Steps ``first_step .. last_step - 1``; this rank runs its slice of each global batch."""
+    out = []
+    for step in range(first_step, last_step):
+        acc = tracker.accumulation_steps
+        for j in range(acc):
+            x, y = microbatch_data(step, 0, rank * acc + j)
+            with tracker.microbatch(size=len(y)):
+                loss = 0.5 * (model(x).squeeze(-1) - y).pow(2).mean() / acc
+                loss.backward()
+        rec = tracker.step()
+        opt.step()
+        scheduler.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(record(rec, tracker))
+    return out
+
+
+def params_of(model: nn.Module) -> list[list[float]]:
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return [p.detach().reshape(-1).tolist() for p in inner.parameters()]
+
+
+def reference(steps: int) -> dict[str, Any]:
+    """One process, every microbatch of each global batch: the run that never moved."""
+    model = make_model()
+    tracker, opt, scheduler = build(model, START_ACCUMULATION * START_RANKS)
+    records = train(model, tracker, opt, scheduler, first_step=0, last_step=steps, rank=0)
+    return {"records": records, "params": params_of(model), "state": tracker.state_dict()}
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str, first_step: int, last_step: int,
+           ckpt_in: str | None, ckpt_out: str | None) -> None:
+    """Run steps ``first_step .. last_step - 1`` on ``world`` ranks (from ``ckpt_in`` if given), save at the end."""
+    if world > 1:
+        init_process_group(rank, world, init_file)
+    model: nn.Module = make_model()
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    inner = model.module if world > 1 else model
+    tracker, opt, scheduler = build(model, START_ACCUMULATION)  # the same command line on every world size
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if ckpt_in is not None:
+            ckpt = torch.load(ckpt_in, weights_only=False)
+            inner.load_state_dict(ckpt["model"])
+            tracker.load_state_dict(ckpt["tracker"])
+            opt.load_state_dict(ckpt["optimizer"])  # after the tracker: its LR is the one saved
+            scheduler.load_state_dict(ckpt["scheduler"])
+        records = train(model, tracker, opt, scheduler, first_step=first_step, last_step=last_step, rank=rank)
+    if ckpt_out is not None and rank == 0:
+        torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
+                    "tracker": tracker.state_dict()}, ckpt_out)
+    payload = {"records": records, "params": params_of(model), "state": tracker.state_dict(),
+               "warnings": [str(w.message) for w in caught]}
+    path = Path(out_dir) / f"rank{rank}.json"
+    path.write_text(json.dumps(payload))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()

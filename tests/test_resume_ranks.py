@@ -1,0 +1,159 @@
+"""A run checkpointed on 2 data-parallel ranks resumes on 1, 4 and 3 ranks with the global batch kept.
+
+The truth is one process that ran every microbatch of every global batch from the start
+(the run that never moved): from the resume on, the resumed run's global batch, learning
+rate, decisions, noise scale and weights must equal it (float64: to rounding). The data is
+indexed by the microbatch's place in the global batch, so it is the same however the batch
+is split over ranks. 3 ranks cannot split the checkpoint's batch of 8 microbatches: the run
+warns, naming both batches, and couples the learning rate to the batch that runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from cbs_tracker.policy.ranks import RankChange, nearest_accumulation
+from tests import resize_workers as rw
+from tests.spawning import spawn
+
+SAVE_AT = 7  # the checkpoint holds a pending doubling (8 -> 16 microbatches decided at step 7)
+END = 16
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return rw.reference(END)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_ranks")
+    ckpt = root / "ckpt.pt"
+    spawn(rw.worker, args=(2, str(root / "pg"), str(root), 0, SAVE_AT, None, str(ckpt)), nprocs=2)
+    return ckpt, json.loads((root / "rank0.json").read_text())
+
+
+def _resume(tmp_path, ckpt, world):
+    if world == 1:
+        rw.worker(0, 1, "", str(tmp_path), SAVE_AT, END, str(ckpt), None)
+    else:
+        spawn(rw.worker, args=(world, str(tmp_path / "pg"), str(tmp_path), SAVE_AT, END, str(ckpt), None),
+              nprocs=world)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _same(a, b, keys=("step", "global_batch", "microbatches", "next_microbatches", "tokens_seen",
+                      "starting_batch_steps")):
+    for k in keys:
+        assert a[k] == b[k], (k, a["step"], a[k], b[k])
+    for k in ("lr", "scheduled_lr", "lr_coupling", "noise_scale", "grad_sq_norm", "trace_cov"):
+        if b[k] is None:
+            assert a[k] is None, (k, a["step"])
+        else:
+            assert a[k] == pytest.approx(b[k], rel=1e-9), (k, a["step"], a[k], b[k])
+
+
+def test_the_checkpoint_holds_a_grown_batch_and_a_pending_doubling(checkpoint, reference):
+    _, first = checkpoint
+    for a, b in zip(first["records"], reference["records"][:SAVE_AT], strict=True):
+        _same(a, b)
+    last = first["records"][-1]
+    assert last["microbatches"] == 8 and last["next_microbatches"] == 16
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_two_rank_checkpoint_resumes_on_another_number_of_ranks_as_if_it_never_moved(
+    tmp_path, checkpoint, reference, world
+):
+    ckpt, _ = checkpoint
+    ranks = _resume(tmp_path, ckpt, world)
+    expected = reference["records"][SAVE_AT:]
+    assert len(expected) == END - SAVE_AT
+    for out in ranks:
+        assert not [w for w in out["warnings"] if "resumed" in w], out["warnings"]
+        assert [r["dp_degree"] for r in out["records"]] == [world] * len(expected)
+        for a, b in zip(out["records"], expected, strict=True):
+            _same(a, b)
+        assert len({r["next_microbatches"] for r in expected}) > 1, "a decision must follow the resume"
+        for p, q in zip(out["params"], reference["params"], strict=True):
+            assert p == pytest.approx(q, rel=1e-9, abs=1e-12)
+    # the saved state in global terms equals the reference's (per-rank counts times the ranks)
+    state, ref = ranks[0]["state"], reference["state"]
+    assert state["dp_degree"] == world and ref["dp_degree"] == 1
+    for key in ("accumulation_steps", "starting_accumulation", "starting_batch_carry"):
+        assert state[key] * world == pytest.approx(ref[key], rel=1e-12), key
+    for key in ("step", "tokens_seen", "starting_batch_steps", "lr_coupling", "schedule", "cadence"):
+        assert state[key] == ref[key], key
+    ctl, ref_ctl = state["controller"], ref["controller"]
+    for key in ("start_accumulation_steps", "accumulation_sum"):
+        assert ctl[key] * world == pytest.approx(ref_ctl[key], rel=1e-12), key
+    for key in ("exponent", "units_sum", "recent_noise_scales", "grow_count", "pending", "effective_tokens"):
+        assert ctl[key] == pytest.approx(ref_ctl[key], rel=1e-9), key
+
+
+def test_an_uneven_split_warns_naming_both_batches_and_couples_the_lr_to_the_batch_that_runs(
+    tmp_path, checkpoint, reference
+):
+    ckpt, first = checkpoint
+    ranks = _resume(tmp_path, ckpt, 3)
+    out = ranks[0]
+    warned = [w for w in out["warnings"] if "resumed on 3 data-parallel ranks" in w]
+    assert len(warned) == 1, out["warnings"]
+    assert "8 microbatches" in warned[0] and "9 microbatches" in warned[0], warned[0]
+    # the doubling decided at the checkpoint (8 -> 16) runs as the same doubling of 9: 18 (6 per rank)
+    assert "to 16 microbatches, runs as 18" in warned[0], warned[0]
+    records = out["records"]
+    assert records[0]["microbatches"] == 18 and records[0]["dp_degree"] == 3
+    assert records[0]["global_batch"] == sum(len(rw.microbatch_data(SAVE_AT, 0, g)[1]) for g in range(18))
+    # the LR is the schedule's times the coupling of the batch that runs (SGD: linear in the batch);
+    # the starting batch is still the 4 microbatches the run began with
+    k0 = rw.START_ACCUMULATION * rw.START_RANKS
+    for r in records:
+        assert r["lr_coupling"] == pytest.approx(r["microbatches"] / k0, rel=1e-12), r
+        assert r["lr"] == pytest.approx(r["scheduled_lr"] * r["microbatches"] / k0, rel=1e-12), r
+    # the schedule's clock is the starting batch's steps: at the first step it is where the reference's was
+    assert records[0]["scheduled_lr"] == pytest.approx(reference["records"][SAVE_AT]["scheduled_lr"], rel=1e-12)
+    assert first["records"][-1]["lr_coupling"] == pytest.approx(8 / k0)
+    # the replicas agree
+    for other in ranks[1:]:
+        assert other["params"] == out["params"]
+
+
+@pytest.mark.parametrize(
+    ("k", "d", "expected"),
+    [(8, 1, 8), (8, 4, 2), (8, 3, 3), (4, 3, 1), (6, 4, 1), (2, 4, 1), (3, 1, 3), (2, 3, 1), (1, 1, 2), (5, 2, 2)],
+)
+def test_nearest_accumulation_keeps_the_batch_or_the_nearest_smaller_on_a_tie(k, d, expected):
+    a = nearest_accumulation(k, d)
+    assert a == expected
+    assert a * d >= 2
+    # no other feasible per-rank accumulation is nearer (ties to the smaller)
+    for other in range(1, 4 * k + 2):
+        if other * d >= 2:
+            assert (abs(other * d - k), other) >= (abs(a * d - k), a)
+
+
+def test_a_rank_change_scales_per_rank_counts_by_the_ranks_and_pending_by_the_ladder():
+    change = RankChange.plan(2, 4, 4)
+    assert change.exact and change.new_accumulation == 2 and change.per_rank == 0.5
+    assert change.accumulation(8) == 4 and change.accumulation(2) == 1 and change.accumulation(1) is None
+    uneven = RankChange.plan(2, 3, 4)
+    assert not uneven.exact and uneven.new_microbatches == 9 and math.isclose(uneven.batch_ratio, 9 / 8)
+    assert uneven.accumulation(8) == 6
+
+
+def test_a_controller_without_convert_ranks_is_refused_with_the_reason():
+    from cbs_tracker import CBSTracker
+    from tests.doubles import PlanController
+
+    model = torch.nn.Linear(2, 1)
+    tracker = CBSTracker(model, accumulation_steps=2, unit="samples", controller=PlanController({}))
+    state = tracker.state_dict()
+    state["dp_degree"] = 2
+    state["controller"] = {"anything": 1}
+    with pytest.raises(ValueError, match="convert_ranks"):
+        tracker.load_state_dict(state)
