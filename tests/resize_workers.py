@@ -23,7 +23,6 @@ from cbs_tracker import CBSTracker
 from tests.dist_workers import (
     FIXED_ROWS,
     LR,
-    SCHEDULE_MARKS,
     init_process_group,
     make_controller,
     make_estimator,
@@ -134,9 +133,9 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, first_step:
                 ckpt_in: str | None, ckpt_out: str | None) -> None:
     """FSDP2 on ``world`` ranks (1 included): model and optimizer resharded by ``torch.distributed.checkpoint``."""
     import torch.distributed.checkpoint as dcp
+    from cbs_tracker.integrations.fsdp import FSDPTracker
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from cbs_tracker.integrations.fsdp import FSDPTracker
     from tests.dist_workers import _fsdp_model
 
     init_process_group(rank, world, init_file)
