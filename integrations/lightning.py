@@ -391,6 +391,7 @@ class CBSCallback(Callback):
         if session is None:
             return
         trainer.accumulate_grad_batches = session.accumulation_steps
+        self._convert_position(trainer)
         if self.retime_schedulers and session.optimizer is not None:
             self._attach_schedulers(trainer)
         batches = trainer.num_training_batches
@@ -398,6 +399,81 @@ class CBSCallback(Callback):
             self._link_loader(trainer)  # the epoch cap counts the loader's batches, not microbatches
         elif isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1 and self._can_grow():
             session.limit_to_epoch(int(batches), "batches")
+
+    def _convert_position(self, trainer: pl.Trainer) -> None:
+        """A resume on another number of ranks: Lightning's batch counter in the epoch, moved to this run's ranks.
+
+        Lightning saves how many loader batches of the epoch each rank ran (``m`` on ``D``
+        ranks: the first ``m * D`` of the epoch's order under a ``DistributedSampler``) and
+        resumes its counter there. On ``D'`` ranks that counter would mean ``m * D'`` batches:
+        the epoch would run longer or shorter than the checkpoint's, and its first window
+        would be cut where the counter is not a multiple of the accumulation. The counter is
+        set to the same global position, ``m * D / D'`` (the nearest multiple of the
+        accumulation when that is not whole). A DataLoader that is not resumable (no
+        ``state_dict``) restarts at the epoch's first batch anyway, at any number of ranks;
+        the repeated and skipped batches are named in a warning.
+        """
+        session = self.session
+        assert session is not None
+        change = session.resumed_from
+        loop = trainer.fit_loop.epoch_loop
+        current = loop.batch_progress.current
+        done = int(current.ready)
+        if change is None or not loop.restarting or done <= 0:
+            return
+        per_rank = trainer.num_training_batches
+        if not isinstance(per_rank, int) or self.max_microbatch is not None:
+            session.warn_once(
+                "position_ranks",
+                f"CBSCallback: resumed on {_ranks(change.new_dp)} from a checkpoint of {change.old_dp} in the middle of "
+                f"an epoch ({done} batches per rank run); Lightning's batch counter is left as saved "
+                + ("(a CBSDataLoader's windows restart with the epoch)" if self.max_microbatch is not None
+                   else "(the epoch's length is not known)") + ". Resume from a checkpoint saved at an epoch's end.",
+            )
+            return
+        loader = trainer.fit_loop._combined_loader
+        from lightning.fabric.utilities.types import _Stateful
+
+        if loader is not None and loader.flattened and all(isinstance(x, _Stateful) for x in loader.flattened):
+            session.warn_once(
+                "position_ranks",
+                f"CBSCallback: resumed on {_ranks(change.new_dp)} from a checkpoint of {change.old_dp} in the middle of "
+                "an epoch with a resumable DataLoader: its saved state (rank 0's, of the old ranks) is the loader's "
+                "own and is not converted; Lightning's batch counter is left as saved. Resume from a checkpoint "
+                "saved at an epoch's end to be exact.",
+            )
+            return
+        global_done = done * change.old_dp  # the epoch's first global batches run before the checkpoint
+        acc = session.accumulation_steps
+        exact = global_done / change.new_dp
+        position = min(max(0, round(exact / acc - 1e-9)) * acc, per_rank)
+        if position == per_rank and global_done < per_rank * change.new_dp:
+            position = (per_rank - 1) // acc * acc  # batches remain: the epoch is not over
+        delta = position - done
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(current, name, getattr(current, name) + delta)
+        if position >= per_rank:
+            return  # an epoch's end: the next epoch starts at its first batch, as the reference's
+        total = per_rank * change.new_dp
+        rerun = (per_rank - position) * change.new_dp  # the first global batches the rest of the epoch runs
+        repeated, skipped = min(global_done, rerun), total - max(global_done, rerun)
+        size = getattr(trainer.train_dataloader, "batch_size", None)
+        samples = "" if not isinstance(size, int) else f" ({repeated * size} and {skipped * size} samples)"
+        where = "" if position * change.new_dp == global_done else (
+            f"; {global_done} global batches ({done} per rank) do not split into windows of {acc} on "
+            f"{change.new_dp} ranks, so the epoch goes on at {position * change.new_dp} "
+            f"({'+' if position * change.new_dp > global_done else ''}"
+            f"{position * change.new_dp - global_done} batches of the epoch's count)")
+        session.warn_once(
+            "position_ranks",
+            f"CBSCallback: resumed on {_ranks(change.new_dp)} from a checkpoint of {change.old_dp} saved after "
+            f"{global_done} of the epoch's {total} loader batches (all ranks); Lightning's batch counter goes on "
+            f"there ({position} per rank){where}. The train DataLoader is not resumable, so Lightning restarts it at "
+            f"the epoch's first batch: the rest of this epoch runs the epoch's first {rerun} batches instead of its "
+            f"last {total - global_done}, {repeated} batches run a second time and {skipped} are not run in this "
+            f"epoch{samples}. The next epoch is complete. To be exact, resume from a checkpoint saved at an epoch's "
+            "end.",
+        )
 
     def _link_loader(self, trainer: pl.Trainer) -> None:
         """Hand the train loader this callback's layout (checked at fit start; again when loaders reload)."""
@@ -722,6 +798,10 @@ class CBSCallback(Callback):
         dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else 1
         self._scratch_session(dp).load_state_dict(dict(state_dict))
         self._restored = dict(state_dict)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("" if n == 1 else "s")
 
 
 class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]

@@ -259,3 +259,38 @@ class LambdaRegression(Regression):
         opt = torch.optim.Adam(self.parameters(), lr=self.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.1 * e))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class SampleLog(pl.Callback):
+    """Per optimizer step: the record, Lightning's accumulation and position, the LR, and the samples run.
+
+    A sample is named by its index in ``dataset`` (found from its first feature, unique in
+    :func:`regression_data`). Each rank writes ``rank{r}.json`` to ``out_dir`` at the end of fit.
+    """
+
+    def __init__(self, cbs: Any, dataset: Any, out_dir: str) -> None:
+        self.cbs, self.out_dir = cbs, out_dir
+        keys = dataset.tensors[0][:, 0].tolist()
+        self.index = {k: i for i, k in enumerate(keys)}
+        assert len(self.index) == len(keys)
+        self.rows: list[dict[str, Any]] = []
+        self.window: list[int] = []
+        self.samples: list[tuple[int, int]] = []  # (epoch, index) of every sample run, in order
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        ids = [self.index[k] for k in batch[0][:, 0].tolist()]
+        self.window += ids
+        self.samples += [(trainer.current_epoch, i) for i in ids]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.rows.append(dict(
+            epoch=trainer.current_epoch, batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
+            lightning_accumulation=int(trainer.accumulate_grad_batches), samples=self.window,
+            record=asdict(self.cbs.last_record), lr=float(optimizer.param_groups[0]["lr"]),
+        ))
+        self.window = []
+
+    def on_fit_end(self, trainer, pl_module):
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"rows": self.rows, "applied": self.cbs.applied_changes, "samples": self.samples,
+                       "world_size": trainer.world_size, "global_step": trainer.global_step}, f)
