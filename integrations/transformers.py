@@ -10,6 +10,7 @@ and schedules and ``max_steps`` stay in steps of the starting batch (transformer
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from typing import Any, Literal
@@ -209,6 +210,8 @@ class CBSTrainer(Trainer):
         self._window_setting = self._starting_accumulation
         self._units_divisor: torch.Tensor | float | None = None
         self._logged_step = 0
+        #: the checkpoint's starting accumulation on this run's ranks, where it is not the command line's
+        self._resume_start: int | float | None = None
 
     # ------------------------------------------------------------------ public state
     @property
@@ -279,6 +282,7 @@ class CBSTrainer(Trainer):
     # ------------------------------------------------------------------ the run
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._clear_run()
+        self._resume_start = self._peek_start(kwargs.get("resume_from_checkpoint", args[0] if args else None))
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -291,10 +295,48 @@ class CBSTrainer(Trainer):
             if self.session is not None:
                 self.session.detach_scheduler()
 
+    def _peek_start(self, resume: Any) -> int | float | None:
+        """The checkpoint's starting accumulation per rank on this run's ranks, where it is not the command line's.
+
+        The ``Trainer`` sizes an epoch-based run (``max_steps``, the LR schedule's length, the
+        windows per epoch) from ``gradient_accumulation_steps`` before the tracker's state is
+        read: on ``D'`` ranks a checkpoint of ``D`` keeps its starting global batch at
+        ``A0 * D / D'`` microbatches per rank (and a checkpoint of a run resumed so keeps it
+        at any number of ranks), and the sizes must be those of that batch.
+        """
+        if isinstance(resume, bool) and resume:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        if not isinstance(resume, (str, os.PathLike)) or not os.path.isfile(os.path.join(resume, STATE_FILE)):
+            return None  # the Trainer or _init_training_state says what is wrong
+        try:
+            with open(os.path.join(resume, STATE_FILE)) as f:
+                session = json.load(f)["session"]
+            dp, start = int(session["dp_degree"]), session["starting_accumulation"]
+            if isinstance(start, bool) or not isinstance(start, (int, float)) or not start > 0 or dp < 1:
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # _init_training_state reads it again and raises with the reason
+        from cbs_tracker.policy.ranks import plain_number
+
+        here = plain_number(float(start) * dp / cbs_dist.group_size(cbs_dist.resolve_dp_group(None)))
+        return None if here == self._starting_accumulation else here
+
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
         values = super().set_initial_training_values(args, dataloader)
         self._steps_in_epoch = values[5] if hasattr(dataloader, "__len__") else None
-        return values
+        start = self._resume_start
+        if start is None or self._steps_in_epoch is None:
+            return values
+        # the Trainer's own sizes, at the starting accumulation the session will run (it may be a fraction)
+        epochs, _, examples, samples, total, steps_in_epoch, max_steps = values
+        per_epoch = max(math.ceil(self._steps_in_epoch / start), 1)
+        if args.max_steps > 0:
+            epochs = max_steps // per_epoch + int(max_steps % per_epoch > 0)
+        else:
+            max_steps = math.ceil(args.num_train_epochs * per_epoch)
+        return epochs, per_epoch, examples, samples, total, steps_in_epoch, max_steps
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
         epochs, steps = super()._init_training_state(
@@ -316,16 +358,57 @@ class CBSTrainer(Trainer):
             saved = json.load(f)
         if not isinstance(saved, dict) or saved.get("version") != _STATE_VERSION:
             raise ValueError(f"CBSTrainer: {path} is not a state file this cbs-tracker writes (version {_STATE_VERSION})")
-        start = saved["session"].get("starting_accumulation")
+        # the run's own command line (a file of an older release: the session's start, which was never moved)
+        start = saved.get("gradient_accumulation_steps", saved["session"].get("starting_accumulation"))
         if start != self._starting_accumulation:
+            dp = saved["session"].get("dp_degree")
+            here = cbs_dist.group_size(cbs_dist.resolve_dp_group(None))
+            moved = "" if dp == here else (
+                f" (on {dp} processes; here on {here}, the tracker converts it to keep the global batch)")
             raise ValueError(
-                f"CBSTrainer: the checkpoint started at gradient_accumulation_steps={start}, this run at "
+                f"CBSTrainer: the checkpoint started at gradient_accumulation_steps={start}{moved}, this run at "
                 f"{self._starting_accumulation}; resume with the starting value (the tracker restores the grown one)"
             )
         self._restored = saved["session"]
         self._epoch = int(saved["epoch"])
-        self._resume_pos = 0 if self.args.ignore_data_skip else int(saved["microbatches_in_epoch"])
+        self._resume_pos = 0 if self.args.ignore_data_skip else self._convert_position(saved)
         return self._epoch, self._resume_pos
+
+    def _convert_position(self, saved: dict[str, Any]) -> int:
+        """The microbatches per rank to skip in the resumed epoch, on this run's ranks.
+
+        The state file holds what each of the checkpoint's ``D`` ranks ran of the epoch, ``m``.
+        The Trainer's sampler, sharded by accelerate, gives rank ``p`` the epoch's batches
+        ``p, p + D, p + 2D, ...``: those ``m`` per rank are the epoch's first ``m * D``, and on
+        ``D'`` ranks the same place is ``m * D / D'`` per rank. When that is not whole, or not
+        a multiple of the accumulation the run goes on with (the Trainer steps where its
+        counter is one), the nearest multiple is taken and a warning names the batches run
+        twice or skipped.
+        """
+        done = int(saved["microbatches_in_epoch"])
+        session = saved["session"]
+        dp, here = int(session.get("dp_degree", 1)), cbs_dist.group_size(cbs_dist.resolve_dp_group(None))
+        if done == 0 or dp == here:
+            return done
+        from cbs_tracker.policy.ranks import RankChange
+
+        acc = RankChange.plan(dp, here, int(session["accumulation_steps"])).new_accumulation
+        position = max(0, round(done * dp / here / acc - 1e-9)) * acc
+        if self._steps_in_epoch is not None and position >= self._steps_in_epoch:
+            position = (self._steps_in_epoch - 1) // acc * acc  # the epoch was not over: batches remain
+        off = position * here - done * dp
+        if off:
+            rows = self.args.per_device_train_batch_size
+            self._warn(
+                f"CBSTrainer: resumed on {here} processes from a checkpoint of {dp} saved after {done * dp} of the "
+                f"epoch's batches (all processes, {done} per process); they do not split into windows of {acc} "
+                f"here, so the epoch goes on after {position * here} ({position} per process): "
+                + (f"{off} batches ({off * rows} samples of {rows} per batch) are skipped in this epoch"
+                   if off > 0 else f"{-off} batches ({-off * rows} samples of {rows} per batch) run a second time")
+                + ". To be exact, resume on a number of processes that divides the position, or from a "
+                "checkpoint saved at an epoch's end."
+            )
+        return position
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         # The Trainer steps its scheduler once per optimizer step; built on the unwrapped
@@ -363,7 +446,7 @@ class CBSTrainer(Trainer):
         self._avg_ranks = cbs_dist.group_size(dp_group)  # DDP averages over all ranks
         if self._steps_in_epoch is not None and self._can_grow():
             self.session.limit_to_epoch(self._steps_in_epoch, "microbatches per rank")
-        if self._starting_accumulation * self.session.dp_degree < 2:
+        if self.session.starting_accumulation * self.session.dp_degree < 2:
             self.session.warn_once(
                 "single_microbatch",
                 "CBSTrainer: each optimizer step has a single microbatch (gradient_accumulation_steps=1 on one "
@@ -556,7 +639,7 @@ class CBSTrainer(Trainer):
         if self._steps_in_epoch is not None and pos >= self._steps_in_epoch:
             epoch, pos = epoch + 1, 0
         state = {"version": _STATE_VERSION, "epoch": epoch, "microbatches_in_epoch": pos,
-                 "session": self.session.state_dict()}
+                 "gradient_accumulation_steps": self._starting_accumulation, "session": self.session.state_dict()}
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, STATE_FILE), "w") as f:
             json.dump(state, f, allow_nan=True)

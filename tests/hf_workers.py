@@ -141,3 +141,43 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str, n: int, plan: Any
     trainer.train(resume_from_checkpoint=resume)
     rows = [{k: v for k, v in r.items() if k != "record"} | {"record": vars(r["record"])} for r in check.rows]
     torch.save({"rows": rows, "applied": trainer.applied_changes}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def resized_run(out_dir: str, n: int, marks: Any, accumulation: int, *, save: bool = False,
+                resume: str | None = None, **kw: Any) -> dict[str, Any]:
+    """A ``CBSTrainer`` run of three epochs under a ``BatchSchedule`` with a linear LR decay, on the ranks there are.
+
+    ``save``: a checkpoint every optimizer step in ``out_dir/run``; ``resume``: the checkpoint to go on
+    from. Returns every step's window check (the record as a dict) and the applied changes, with the
+    warnings the run raised."""
+    import warnings
+
+    from cbs_tracker.integrations.transformers import CBSTrainer
+
+    from cbs_tracker import BatchSchedule
+
+    model = Regression(seed=0)
+    ref: list[Any] = []
+    check = window_checker(model, ref)
+    saving = {"save_strategy": "steps", "save_steps": 1} if save else {}
+    args = training_args(os.path.join(out_dir, "run"), num_train_epochs=3, lr_scheduler_type="linear",
+                         gradient_accumulation_steps=accumulation, **(saving | kw))
+    trainer = CBSTrainer(model=model, args=args, train_dataset=regression_data(n), unit="samples",
+                         controller=BatchSchedule(marks), callbacks=[check])
+    ref.append(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
+    rows = [{k: v for k, v in r.items() if k != "record"} | {"record": vars(r["record"])} for r in check.rows]
+    return {"rows": rows, "applied": trainer.applied_changes, "warnings": [str(w.message) for w in caught],
+            "steps": trainer.state.global_step, "max_steps": trainer.state.max_steps}
+
+
+def resize_worker(rank: int, world: int, port: int, out_dir: str, n: int, marks: Any, accumulation: int,
+                  save: bool) -> None:
+    """One rank of a gloo :func:`resized_run`; writes ``rank{r}.pt``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    out = resized_run(out_dir, n, marks, accumulation, save=save, ddp_backend="gloo")
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
