@@ -223,3 +223,58 @@ def test_a_batch_schedule_resumes_on_one_rank_as_if_it_never_moved_and_refuses_r
     with pytest.raises(ValueError, match=r"the mark \(30, 18\) cannot be laid out"):
         tracker.load_state_dict(state)
     assert tracker.state_dict() == before
+
+
+# ---------------------------------------------------------------------------- the plain loop's data position
+def _sampler_batches(n, world, rank, batch_size, epoch=3):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(list(range(n)), num_replicas=world, rank=rank, shuffle=True, seed=11)
+    sampler.set_epoch(epoch)
+    return [b.tolist() for b in DataLoader(list(range(n)), batch_size=batch_size, sampler=sampler)]
+
+
+def _resumed_tracker(old_dp, new_dp):
+    from cbs_tracker import CBSTracker
+
+    saved = CBSTracker(torch.nn.Linear(2, 1), accumulation_steps=2, unit="samples").state_dict()
+    saved["dp_degree"] = old_dp
+    tracker = CBSTracker(torch.nn.Linear(2, 1), accumulation_steps=2, unit="samples")
+    tracker.session.dp_degree = new_dp  # stands for a run on new_dp ranks (the position needs no process group)
+    tracker.load_state_dict(saved)
+    return tracker
+
+
+@pytest.mark.parametrize(("old_dp", "new_dp"), [(2, 1), (2, 4), (4, 2), (2, 3)])
+def test_resume_position_continues_a_distributed_samplers_epoch_where_the_old_ranks_stopped(old_dp, new_dp):
+    n, bs, consumed = 240, 4, 7  # each old rank had consumed 7 batches of the epoch
+    done = {i for r in range(old_dp) for b in _sampler_batches(n, old_dp, r, bs)[:consumed] for i in b}
+    tracker = _resumed_tracker(old_dp, new_dp)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        skip = tracker.resume_position(consumed)
+    after = [i for r in range(new_dp) for b in _sampler_batches(n, new_dp, r, bs)[skip:] for i in b]
+    skipped = {i for r in range(new_dp) for b in _sampler_batches(n, new_dp, r, bs)[:skip] for i in b}
+    seen_again = done & set(after)
+    never = set(range(n)) - done - set(after)
+    assert not never, "no sample of the epoch may be skipped"
+    assert skipped <= done
+    if (consumed * old_dp) % new_dp == 0:
+        assert not seen_again and not caught
+    else:  # rounded down: the warning names how many loader batches are seen again, and it is so
+        repeated = consumed * old_dp - skip * new_dp
+        assert len(seen_again) == repeated * bs
+        assert len(caught) == 1 and f"{repeated} loader batch(es) of the epoch are seen again" in str(caught[0].message)
+
+
+def test_resume_position_on_the_same_ranks_is_the_count_and_bad_input_is_refused():
+    from cbs_tracker import CBSTracker
+
+    tracker = CBSTracker(torch.nn.Linear(2, 1), accumulation_steps=2, unit="samples")
+    tracker.load_state_dict(tracker.state_dict())
+    assert tracker.resumed_from is None and tracker.resume_position(7) == 7
+    with pytest.raises(ValueError, match=r"resume_position\(batches_per_rank=-1\): must be an int >= 0"):
+        tracker.resume_position(-1)
+    assert _resumed_tracker(2, 4).resumed_from == RankChange(2, 4, 2, 1)
