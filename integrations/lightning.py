@@ -408,8 +408,8 @@ class CBSCallback(Callback):
         resumes its counter there. On ``D'`` ranks that counter would mean ``m * D'`` batches:
         the epoch would run longer or shorter than the checkpoint's, and its first window
         would be cut where the counter is not a multiple of the accumulation. The counter is
-        set to the same global position, ``m * D / D'`` (the nearest multiple of the
-        accumulation when that is not whole). A DataLoader that is not resumable (no
+        set to the same global position, ``m * D / D'`` (rounded down to a multiple of the
+        accumulation when that is not one). A DataLoader that is not resumable (no
         ``state_dict``) restarts at the epoch's first batch anyway, at any number of ranks;
         the repeated and skipped batches are named in a warning.
         """
@@ -445,8 +445,7 @@ class CBSCallback(Callback):
             return
         global_done = done * change.old_dp  # the epoch's first global batches run before the checkpoint
         acc = session.accumulation_steps
-        exact = global_done / change.new_dp
-        position = min(max(0, round(exact / acc - 1e-9)) * acc, per_rank)
+        position = min(global_done // (change.new_dp * acc) * acc, per_rank)
         if position == per_rank and global_done < per_rank * change.new_dp:
             position = (per_rank - 1) // acc * acc  # batches remain: the epoch is not over
         delta = position - done
@@ -461,9 +460,8 @@ class CBSCallback(Callback):
         samples = "" if not isinstance(size, int) else f" ({repeated * size} and {skipped * size} samples)"
         where = "" if position * change.new_dp == global_done else (
             f"; {global_done} global batches ({done} per rank) do not split into windows of {acc} on "
-            f"{change.new_dp} ranks, so the epoch goes on at {position * change.new_dp} "
-            f"({'+' if position * change.new_dp > global_done else ''}"
-            f"{position * change.new_dp - global_done} batches of the epoch's count)")
+            f"{_ranks(change.new_dp)}, so the counter goes on at {position * change.new_dp}, "
+            f"{global_done - position * change.new_dp} batches more in this epoch")
         session.warn_once(
             "position_ranks",
             f"CBSCallback: resumed on {_ranks(change.new_dp)} from a checkpoint of {change.old_dp} saved after "

@@ -302,7 +302,8 @@ class CBSTrainer(Trainer):
         windows per epoch) from ``gradient_accumulation_steps`` before the tracker's state is
         read: on ``D'`` ranks a checkpoint of ``D`` keeps its starting global batch at
         ``A0 * D / D'`` microbatches per rank (and a checkpoint of a run resumed so keeps it
-        at any number of ranks), and the sizes must be those of that batch.
+        at any number of ranks), and the sizes must be those of that batch. ``None``: the
+        command line's.
         """
         if isinstance(resume, bool) and resume:
             from transformers.trainer_utils import get_last_checkpoint
@@ -329,14 +330,16 @@ class CBSTrainer(Trainer):
         start = self._resume_start
         if start is None or self._steps_in_epoch is None:
             return values
-        # the Trainer's own sizes, at the starting accumulation the session will run (it may be a fraction)
+        # the Trainer's own sizes, in steps of the starting batch the session runs (it may be a fraction);
+        # the windows it fetches per epoch: at least one microbatch each, since an uneven split may run
+        # fewer microbatches than the starting batch
         epochs, _, examples, samples, total, steps_in_epoch, max_steps = values
         per_epoch = max(math.ceil(self._steps_in_epoch / start), 1)
         if args.max_steps > 0:
             epochs = max_steps // per_epoch + int(max_steps % per_epoch > 0)
         else:
             max_steps = math.ceil(args.num_train_epochs * per_epoch)
-        return epochs, per_epoch, examples, samples, total, steps_in_epoch, max_steps
+        return epochs, max(per_epoch, self._steps_in_epoch), examples, samples, total, steps_in_epoch, max_steps
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial):
         epochs, steps = super()._init_training_state(
@@ -382,8 +385,8 @@ class CBSTrainer(Trainer):
         ``p, p + D, p + 2D, ...``: those ``m`` per rank are the epoch's first ``m * D``, and on
         ``D'`` ranks the same place is ``m * D / D'`` per rank. When that is not whole, or not
         a multiple of the accumulation the run goes on with (the Trainer steps where its
-        counter is one), the nearest multiple is taken and a warning names the batches run
-        twice or skipped.
+        counter is one), it is rounded down to one (no batch of the epoch is skipped) and a
+        warning names the batches run a second time.
         """
         done = int(saved["microbatches_in_epoch"])
         session = saved["session"]
@@ -393,20 +396,19 @@ class CBSTrainer(Trainer):
         from cbs_tracker.policy.ranks import RankChange
 
         acc = RankChange.plan(dp, here, int(session["accumulation_steps"])).new_accumulation
-        position = max(0, round(done * dp / here / acc - 1e-9)) * acc
+        position = done * dp // (here * acc) * acc
         if self._steps_in_epoch is not None and position >= self._steps_in_epoch:
             position = (self._steps_in_epoch - 1) // acc * acc  # the epoch was not over: batches remain
-        off = position * here - done * dp
-        if off:
+        again = done * dp - position * here
+        if again:
             rows = self.args.per_device_train_batch_size
             self._warn(
-                f"CBSTrainer: resumed on {here} processes from a checkpoint of {dp} saved after {done * dp} of the "
-                f"epoch's batches (all processes, {done} per process); they do not split into windows of {acc} "
-                f"here, so the epoch goes on after {position * here} ({position} per process): "
-                + (f"{off} batches ({off * rows} samples of {rows} per batch) are skipped in this epoch"
-                   if off > 0 else f"{-off} batches ({-off * rows} samples of {rows} per batch) run a second time")
-                + ". To be exact, resume on a number of processes that divides the position, or from a "
-                "checkpoint saved at an epoch's end."
+                f"CBSTrainer: resumed on {here} process{'es' if here > 1 else ''} from a checkpoint of {dp} saved "
+                f"after {done * dp} of the epoch's batches (all processes, {done} per process); they do not split "
+                f"into windows of {acc} per process here, so the epoch goes on after {position * here} "
+                f"({position} per process) and {again} batches ({again * rows} samples, {rows} per batch) run a "
+                "second time. To be exact, resume on a number of processes that divides the position, or from "
+                "a checkpoint saved at an epoch's end."
             )
         return position
 

@@ -105,6 +105,7 @@ def window_checker(model: Regression, trainer_ref: list[Any]) -> Any:
             self.rows.append(dict(
                 microbatches=len(window), got=got, mean=torch.stack(grads).mean(0),
                 first_x=window[0][0].clone(), setting=int(args.gradient_accumulation_steps),
+                xs=torch.cat([x for x, _ in window]), epoch=getattr(trainer, "_epoch", None),
                 params=torch.cat([p.detach().flatten().clone() for p in model.parameters()]),
                 record=trainer.last_record,
             ))
@@ -147,8 +148,9 @@ def resized_run(out_dir: str, n: int, marks: Any, accumulation: int, *, save: bo
                 resume: str | None = None, **kw: Any) -> dict[str, Any]:
     """A ``CBSTrainer`` run of three epochs under a ``BatchSchedule`` with a linear LR decay, on the ranks there are.
 
-    ``save``: a checkpoint every optimizer step in ``out_dir/run``; ``resume``: the checkpoint to go on
-    from. Returns every step's window check (the record as a dict) and the applied changes, with the
+    ``marks``: the schedule's, or ``None`` (no controller: the accumulation stays). ``save``: a
+    checkpoint every optimizer step in ``out_dir/run``; ``resume``: the checkpoint to go on from.
+    Returns every step's window check (the record as a dict) and the applied changes, with the
     warnings the run raised."""
     import warnings
 
@@ -163,7 +165,7 @@ def resized_run(out_dir: str, n: int, marks: Any, accumulation: int, *, save: bo
     args = training_args(os.path.join(out_dir, "run"), num_train_epochs=3, lr_scheduler_type="linear",
                          gradient_accumulation_steps=accumulation, **(saving | kw))
     trainer = CBSTrainer(model=model, args=args, train_dataset=regression_data(n), unit="samples",
-                         controller=BatchSchedule(marks), callbacks=[check])
+                         controller=None if marks is None else BatchSchedule(marks), callbacks=[check])
     ref.append(trainer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -174,10 +176,10 @@ def resized_run(out_dir: str, n: int, marks: Any, accumulation: int, *, save: bo
 
 
 def resize_worker(rank: int, world: int, port: int, out_dir: str, n: int, marks: Any, accumulation: int,
-                  save: bool) -> None:
+                  save: bool, resume: str | None = None) -> None:
     """One rank of a gloo :func:`resized_run`; writes ``rank{r}.pt``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    out = resized_run(out_dir, n, marks, accumulation, save=save, ddp_backend="gloo")
+    out = resized_run(out_dir, n, marks, accumulation, save=save, resume=resume, ddp_backend="gloo")
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -12,7 +12,9 @@ changed one is refused with the reason.
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 import socket
 
 import pytest
@@ -90,3 +92,37 @@ def test_cbs_trainer_two_processes_resumed_on_one_equal_the_run_that_never_moved
     # gradient_accumulation_steps changed on the command line: refused, naming the conversion
     with pytest.raises(ValueError, match=r"started at gradient_accumulation_steps=1 \(on 2 processes; here on 1"):
         resized_run(str(tmp_path / "changed"), N, MARKS, 2, resume=str(tmp_path / "two" / "run" / f"checkpoint-{at}"))
+
+
+def test_cbs_trainer_two_processes_resumed_on_three_count_the_batches_run_again(tmp_path):
+    # 48 samples: 24 microbatches, 12 per process on two, 8 on three; 2 per process and window (no controller):
+    # a global batch of 4 microbatches, which three processes run as 3 (the session warns of it)
+    n = 48
+    spawn(resize_worker, args=(2, _free_port(), str(tmp_path / "two"), n, None, 2, True), nprocs=2, join=True)
+    two = [torch.load(tmp_path / "two" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ckpt = str(tmp_path / "two" / "run" / "checkpoint-2")  # 4 microbatches per process run: 8 of the epoch
+    spawn(resize_worker, args=(3, _free_port(), str(tmp_path / "three"), n, None, 2, False, ckpt), nprocs=3,
+          join=True)
+    three = [torch.load(tmp_path / "three" / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    assert {r["record"]["accumulation_steps"] for log in three for r in log["rows"]} == {1}
+
+    def names(rows):
+        return [tuple(x.tolist()) for r in rows for x in r["xs"]]
+
+    before = [s for log in two for s in names(log["rows"][:2])]
+    after = [s for log in three for s in names([r for r in log["rows"] if r["epoch"] == 0])]
+    count = collections.Counter(before + after)
+    assert len(count) == n  # no sample of the epoch skipped
+    again = sum(c - 1 for c in count.values())
+    assert again > 0
+    (message,) = [w for w in three[0]["warnings"] if "run a second time" in w]
+    got = re.search(r"(\d+) batches \((\d+) samples, 2 per batch\) run a second time", message)
+    assert got is not None, message
+    assert [int(x) for x in got.groups()] == [again // 2, again]
+    # the rest of the interrupted epoch runs to its end (the Trainer fetches a window of at least one
+    # microbatch per step of its count, the batch that runs being below the starting one), and the next
+    # epoch is whole: every sample once
+    position = len(before) // 2 // 3  # the global microbatches run before, over three processes, rounded down
+    assert sum(r["microbatches"] for r in three[0]["rows"] if r["epoch"] == 0) == n // 2 // 3 - position
+    seen = collections.Counter(s for log in three for s in names([r for r in log["rows"] if r["epoch"] == 1]))
+    assert len(seen) == n and set(seen.values()) == {1}
