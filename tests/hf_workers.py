@@ -176,10 +176,12 @@ def resized_run(out_dir: str, n: int, marks: Any, accumulation: int, *, save: bo
 
 
 def resize_worker(rank: int, world: int, port: int, out_dir: str, n: int, marks: Any, accumulation: int,
-                  save: bool, resume: str | None = None) -> None:
-    """One rank of a gloo :func:`resized_run`; writes ``rank{r}.pt``."""
+                  save: bool, resume: str | None = None, sampling: str = "sequential") -> None:
+    """One rank of a gloo :func:`resized_run` (``sampling``: the Trainer's ``train_sampling_strategy``); writes
+    ``rank{r}.pt``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    out = resized_run(out_dir, n, marks, accumulation, save=save, resume=resume, ddp_backend="gloo")
+    out = resized_run(out_dir, n, marks, accumulation, save=save, resume=resume, ddp_backend="gloo",
+                      train_sampling_strategy=sampling)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

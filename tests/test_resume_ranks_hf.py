@@ -50,9 +50,13 @@ def _same_step(a: dict, b: dict) -> None:
     torch.testing.assert_close(a["params"], b["params"], rtol=1e-5, atol=1e-6)
 
 
-def test_cbs_trainer_two_processes_resumed_on_one_equal_the_run_that_never_moved(tmp_path):
-    reference = resized_run(str(tmp_path / "reference"), N, MARKS, 2)
-    spawn(resize_worker, args=(2, _free_port(), str(tmp_path / "two"), N, MARKS, 1, True), nprocs=2, join=True)
+# "random": accelerate's seedable sampler draws each epoch's order from the seed and the epoch alone, the
+# same permutation at any number of processes, then dealt to them batch by batch
+@pytest.mark.parametrize("sampling", ["sequential", "random"])
+def test_cbs_trainer_two_processes_resumed_on_one_equal_the_run_that_never_moved(tmp_path, sampling):
+    reference = resized_run(str(tmp_path / "reference"), N, MARKS, 2, train_sampling_strategy=sampling)
+    spawn(resize_worker, args=(2, _free_port(), str(tmp_path / "two"), N, MARKS, 1, True, None, sampling), nprocs=2,
+          join=True)
     two = torch.load(tmp_path / "two" / "rank0.pt", weights_only=False)
     assert [r["record"]["global_batch"] for r in two["rows"]] == [
         r["record"]["global_batch"] for r in reference["rows"]]
@@ -60,7 +64,7 @@ def test_cbs_trainer_two_processes_resumed_on_one_equal_the_run_that_never_moved
     at = [i + 1 for i, r in enumerate(two["rows"]) if r["setting"] == 2][1]
     before = two["rows"][at - 1]["record"]
     assert 0 < before["tokens_seen"] < N and before["dp_degree"] == 2
-    resumed = resized_run(str(tmp_path / "resumed"), N, MARKS, 1, save=True,
+    resumed = resized_run(str(tmp_path / "resumed"), N, MARKS, 1, save=True, train_sampling_strategy=sampling,
                           resume=str(tmp_path / "two" / "run" / f"checkpoint-{at}"))
     tail = reference["rows"][at:]
     assert len(resumed["rows"]) == len(tail) >= 8
@@ -85,7 +89,7 @@ def test_cbs_trainer_two_processes_resumed_on_one_equal_the_run_that_never_moved
     # a checkpoint of the moved run (its session starts at 2 per process) resumed on one process again with
     # the same command line: the rest of the moved run
     later = at + 4
-    again = resized_run(str(tmp_path / "again"), N, MARKS, 1,
+    again = resized_run(str(tmp_path / "again"), N, MARKS, 1, train_sampling_strategy=sampling,
                         resume=str(tmp_path / "resumed" / "run" / f"checkpoint-{later}"))
     assert [r["record"] for r in again["rows"]] == [r["record"] for r in resumed["rows"][later - at:]]
 
