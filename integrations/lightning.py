@@ -778,8 +778,9 @@ class CBSCallback(Callback):
 
         Raises:
             KeyError / TypeError / ValueError: a missing key, a wrong type, an unknown version,
-                another unit or data-parallel degree (see
-                :meth:`~cbs_tracker.core.session.TrackingSession.load_state_dict`).
+                another unit (see :meth:`~cbs_tracker.core.session.TrackingSession.load_state_dict`).
+                A checkpoint of another data-parallel degree converts at fit start, keeping the
+                global batch, and Lightning's position in the epoch moves with it.
         """
         if not state_dict:
             return
