@@ -98,6 +98,11 @@ class CBSTrainer(Trainer):
     epochs) counts steps at the starting accumulation: the run ends at the same data as
     a run without growth, the last windows cut (to a divisor, which stays aligned) so as not to pass it.
 
+    ``train(resume_from_checkpoint=...)`` on another number of processes, with the same
+    ``gradient_accumulation_steps``, keeps the global batch (the tracker's state converts) and
+    the position in the epoch (``m`` microbatches per process on ``D`` are ``m * D / D'`` here;
+    rounded down with a warning where that does not split).
+
     Raises:
         TypeError / ValueError: a bad argument (the message names it).
         RuntimeError: a configuration the adapter cannot measure or grow exactly:
