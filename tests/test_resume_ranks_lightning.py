@@ -61,8 +61,8 @@ class InterleavedOrder(torch.utils.data.Sampler[int]):
         return len(self.order)
 
 
-def _trainer(devices: int, epochs: int, callbacks: list, accumulation: int) -> pl.Trainer:
-    return pl.Trainer(
+def _trainer(devices: int, epochs: int, callbacks: list, accumulation: int, **kw) -> pl.Trainer:
+    return pl.Trainer(**kw,
         accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto", logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
         enable_model_summary=False, max_epochs=epochs, accumulate_grad_batches=accumulation,
@@ -71,7 +71,7 @@ def _trainer(devices: int, epochs: int, callbacks: list, accumulation: int) -> p
 
 
 def _fit(out, make_cbs, make_module, *, devices: int, epochs: int, accumulation: int, checkpoint=None,
-         ckpt_path: str | None = None) -> tuple[dict, list]:
+         ckpt_path: str | None = None, **kw) -> tuple[dict, list]:
     """A fit writing ``out/rank{r}.json`` (a :class:`SampleLog`); returns rank 0's log and the warnings."""
     out.mkdir(parents=True, exist_ok=True)
     data = regression_data(N)
@@ -80,7 +80,7 @@ def _fit(out, make_cbs, make_module, *, devices: int, epochs: int, accumulation:
     sampler = RankSlice(N, 2) if devices == 2 else InterleavedOrder(N, ROWS, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(devices, epochs, callbacks, accumulation).fit(
+        _trainer(devices, epochs, callbacks, accumulation, **kw).fit(
             make_module(), torch.utils.data.DataLoader(data, batch_size=ROWS, sampler=sampler), ckpt_path=ckpt_path)
     return json.loads((out / "rank0.json").read_text()), [str(w.message) for w in caught]
 
@@ -170,6 +170,13 @@ def test_lightning_two_ranks_resumed_on_one_in_the_middle_of_an_epoch(tmp_path):
     assert repeated > 0 and skipped > 0
     assert after == list(InterleavedOrder(N, ROWS, 2))[:N - len(before)]  # the epoch's first samples
     (message,) = [m for m in caught if "Lightning restarts it" in m]
+    # Trainer(max_steps=...): the data of that many steps of the starting batch (16 samples), the same steps
+    budget = N * 2 // 16 - 4  # four starting batches short of two epochs: inside the schedule's last batch
+    cut, _ = _fit(tmp_path / "cut", make_cbs, make_module, devices=1, epochs=2, accumulation=2 * A0, max_steps=budget)
+    cut_resumed, _ = _fit(tmp_path / "cut_resumed", make_cbs, make_module, devices=1, epochs=2, accumulation=A0,
+                          max_steps=budget, ckpt_path=str(tmp_path / "ckpt" / "step=7.ckpt"))
+    assert cut["rows"][-1]["record"]["tokens_seen"] == budget * 16 and cut["global_step"] < budget
+    assert _steps(cut_resumed) == _steps({"rows": cut["rows"][7:]})
     got = re.search(r"(\d+) batches run a second time and (\d+) are not run in this epoch \((\d+) and (\d+) samples\)",
                     message)
     assert got is not None, message
