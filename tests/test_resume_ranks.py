@@ -213,10 +213,10 @@ def test_a_batch_schedule_resumes_on_one_rank_as_if_it_never_moved_and_refuses_r
     for p, q in zip(out["params"], reference["params"], strict=True):
         assert p == pytest.approx(q, rel=1e-9, abs=1e-12)
     # 4 ranks of 3 samples hold 12 per microbatch slot: the mark at 18 cannot be laid out there
-    from cbs_tracker import BatchSchedule, CBSTracker
+    from cbs_tracker import CBSTracker
 
     model = rw.make_model()
-    tracker = CBSTracker(model, accumulation_steps=2, unit="samples", controller=BatchSchedule(rw.SCHEDULE_MARKS))
+    tracker = CBSTracker(model, accumulation_steps=2, unit="samples", controller=rw.make_schedule())
     tracker.session.dp_degree = 4  # what a 4-rank run would have (no process group needed to load a state)
     state = torch.load(ckpt, weights_only=False)["tracker"]
     before = tracker.state_dict()
