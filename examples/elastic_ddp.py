@@ -16,8 +16,9 @@ position counts global sequences, so the data continues where the checkpoint lef
 
 Every ``--checkpoint-every`` optimizer steps rank 0 saves the model, the optimizer, the LR
 scheduler, the tracker and the stream (to a temporary file, then renamed: a node lost mid-write
-never leaves a torn checkpoint; the last ``--keep`` are kept). Rank 0 appends one JSON line per
-optimizer step to ``--log`` (step, tokens, global batch, accumulation, world size, LR...).
+never leaves a torn checkpoint; the last ``--keep`` are kept); on several machines
+``--checkpoint-dir`` must be a filesystem they share. Rank 0 appends one JSON line per optimizer
+step to ``--log-file`` (step, tokens, global batch, accumulation, world size, LR...).
 A run resumed by hand at another size: ``torchrun --standalone --nproc-per-node=N
 examples/elastic_ddp.py --checkpoint-dir new --resume-from ckpt/ckpt-000040.pt``.
 """
@@ -36,10 +37,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cbs_tracker.integrations.plain import CBSTracker
 
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
-from cbs_tracker.integrations.plain import CBSTracker
 from cbs_tracker.policy.controller import BatchSizeController
 
 CHECKPOINT = re.compile(r"ckpt-(\d+)\.pt")
@@ -54,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2; 0 keeps all)")
     p.add_argument("--resume-from", default=None,
                    help="a checkpoint to start from when --checkpoint-dir holds none (a run resumed by hand)")
-    p.add_argument("--log", default=None, help="JSON lines, one per step, appended by rank 0 "
+    p.add_argument("--log-file", default=None, help="JSON lines, one per step, appended by rank 0 "
                    "(default: CHECKPOINT_DIR/train.jsonl)")
     p.add_argument("--total-steps", type=int, default=300,
                    help="the data budget, in optimizer steps at the starting batch; the LR schedule's length")
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rank, world, device = setup(args.backend)
     ckpt_dir = Path(args.checkpoint_dir)
-    log_path = Path(args.log) if args.log else ckpt_dir / "train.jsonl"
+    log_path = Path(args.log_file) if args.log_file else ckpt_dir / "train.jsonl"
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt is not None:
         tracker.load_state_dict(ckpt["tracker"])  # converts the accumulation to this world size
         stream.load_state_dict(ckpt["stream"])
-    log = open(log_path, "a", buffering=1) if rank == 0 else None  # noqa: SIM115 (closed at the end)
+    log = None
+    if rank == 0:
+        torn = log_path.exists() and log_path.stat().st_size > 0 and not log_path.read_bytes().endswith(b"\n")
+        log = open(log_path, "a", buffering=1)  # noqa: SIM115 (closed at the end)
+        if torn:  # a rank 0 lost mid-line: end that line, so this run's lines stay whole
+            log.write("\n")
 
     def emit(**fields: Any) -> None:
         if log is not None:
