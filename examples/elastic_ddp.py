@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         emit(event="step", step=record.step, tokens_seen=record.tokens_seen, global_batch=record.global_batch,
              accumulation=record.accumulation_steps, next_accumulation=record.next_accumulation_steps,
-             world_size=world, lr=lr, loss=total / record.accumulation_steps, position=stream.position,
+             world_size=world, lr=lr, rank0_loss=total / record.accumulation_steps, position=stream.position,
              noise_scale=record.noise_scale, starting_batch_steps=tracker.starting_batch_steps)
         if record.step % args.checkpoint_every == 0:
             if rank == 0:

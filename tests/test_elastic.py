@@ -11,13 +11,14 @@ Two truths the survivor is compared with:
 
 - a reference resumed by hand from the same checkpoint at world size 1 (``torchrun
   --standalone --nproc-per-node=1 ... --resume-from``): every step's log line (global batch,
-  accumulation, LR at each token count, stream position, loss, noise scale) and the final
+  accumulation, LR at each token count, stream position, rank 0's loss, noise scale) and the final
   checkpoint (tracker state, weights, optimizer, stream) must be equal, bit for bit (the same
   computation at the same world size);
 - the two-rank run itself on the steps it logged after that checkpoint, before it lost the
   node: the same tokens, global batch, LR and stream position (exactly), the same noise scale
-  to float32 reduction order. A resume that kept the accumulation per rank (halving the global
-  batch) or restarted the data would agree with the reference and fail here.
+  to float32 reduction order (rank 0's loss covers only its half of the batch there, so it is
+  not compared). A resume that kept the accumulation per rank (halving the global batch) or
+  restarted the data would agree with the reference and fail here.
 
 Rendezvous settings keep the restart short: heartbeats every second, a node declared dead
 after two missed ones, and a 3 s last call once one node is in.
@@ -41,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "elastic_ddp.py"
 RUN = [
-    "--backend", "gloo", "--total-steps", "600", "--checkpoint-every", "20",
+    "--backend", "gloo", "--total-steps", "300", "--checkpoint-every", "20",
     "--batch-sequences", "8", "--micro-sequences", "2", "--seq-len", "32", "--print-every", "100",
 ]
 START_BATCH = 8 * 32  # tokens: --batch-sequences x --seq-len
@@ -198,7 +199,8 @@ def test_a_lost_node_resumes_on_the_survivor_with_the_reference_batch_lr_and_sta
             assert new[key] == old[key], f"{where}: {key} {new[key]!r} on 1 rank, {old[key]!r} on 2"
         assert new["accumulation"] * 1 == old["accumulation"] * 2, where
         assert new["next_accumulation"] * 1 == old["next_accumulation"] * 2, where
-        assert math.isclose(new["noise_scale"], old["noise_scale"], rel_tol=1e-3), where
+        # the same gradients summed in another order (float32): ~1e-8 seen; other data moves it by percents
+        assert math.isclose(new["noise_scale"], old["noise_scale"], rel_tol=1e-5), where
 
     # the reference: resumed by hand on one rank from the same checkpoint
     ref_dir, ref_log, ref_out = tmp_path / "ref", tmp_path / "ref.jsonl", tmp_path / "ref.out"
