@@ -60,24 +60,28 @@ def _env() -> dict[str, str]:
 
 
 def _descendants(pid: int) -> list[int]:
-    """``pid``'s children, grandchildren... (torchrun starts each worker in a session of its own)."""
+    """``pid``'s living children, grandchildren... (torchrun starts each worker in a session of its own)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"
+            parents.setdefault(ppid, []).append(int(stat.parent.name))
     out, todo = [], [pid]
     while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = [int(k) for k in (task / "children").read_text().split()]
-                out += kids
-                todo += kids
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
     return out
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL an agent and everything it started (a lost node); no-op once all are gone."""
+    """SIGKILL an agent and everything it started (a lost node); nothing once it has been reaped."""
+    if proc.poll() is not None:
+        return  # its pid may belong to someone else by now; its workers ended with it
     pids = [proc.pid, *_descendants(proc.pid)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)  # each started its own session: its group
+            os.killpg(pid, signal.SIGKILL)  # each leads a session of its own: its group
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -150,7 +154,9 @@ def test_a_lost_node_resumes_on_the_survivor_with_the_reference_batch_lr_and_sta
     agents: dict[str, subprocess.Popen] = {}
     outs = {name: tmp_path / f"agent_{name}.out" for name in ("host", "other")}
     try:
-        for name, is_host in (("host", 1), ("other", 0)):
+        # the other agent first: it waits for the host's store and joins as soon as it is up, so the
+        # first round holds both nodes (a join later than the last call would start the run alone)
+        for name, is_host in (("other", 0), ("host", 1)):
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic-{port}",
