@@ -21,11 +21,13 @@ from torch import nn
 
 from cbs_tracker import CBSTracker
 from tests.dist_workers import (
+    FIXED_ROWS,
     LR,
     init_process_group,
     make_controller,
     make_estimator,
     make_model,
+    make_schedule,
     make_scheduler,
     microbatch_data,
 )
@@ -45,23 +47,26 @@ def record(rec: Any, tracker: CBSTracker) -> dict[str, Any]:
     }
 
 
-def build(model: nn.Module, accumulation: int) -> tuple[CBSTracker, torch.optim.Optimizer, Any]:
+def build(model: nn.Module, accumulation: int, *, momentum: float = 0.0, tracker_type: type = CBSTracker,
+          schedule: bool = False) -> tuple[CBSTracker, torch.optim.Optimizer, Any]:
     params = model.module.parameters() if isinstance(model, nn.parallel.DistributedDataParallel) else model.parameters()
-    opt = torch.optim.SGD(params, lr=LR)
+    opt = torch.optim.SGD(params, lr=LR, momentum=momentum)
     scheduler = make_scheduler(opt)
-    tracker = CBSTracker(model, opt, accumulation_steps=accumulation, unit="samples", estimator=make_estimator(),
-                         controller=make_controller(), lr_scheduler=scheduler)
+    tracker = tracker_type(model, opt, accumulation_steps=accumulation, unit="samples", estimator=make_estimator(),
+                           controller=make_schedule() if schedule else make_controller(), lr_scheduler=scheduler)
     return tracker, opt, scheduler
 
 
 def train(model: nn.Module, tracker: CBSTracker, opt: Any, scheduler: Any, *, first_step: int, last_step: int,
-          rank: int) -> list[dict[str, Any]]:
-    """Steps ``first_step .. last_step - 1``; this rank runs its slice of each global batch."""
+          rank: int, rows: int | None = None) -> list[dict[str, Any]]:
+    """Steps ``first_step .. last_step - 1``; this rank runs its slice of each global batch (``rows``: every
+    microbatch cut to that many samples, for a batch schedule)."""
     out = []
     for step in range(first_step, last_step):
         acc = tracker.accumulation_steps
         for j in range(acc):
             x, y = microbatch_data(step, 0, rank * acc + j)
+            x, y = x[:rows], y[:rows]
             with tracker.microbatch(size=len(y)):
                 loss = 0.5 * (model(x).squeeze(-1) - y).pow(2).mean() / acc
                 loss.backward()
@@ -75,19 +80,21 @@ def train(model: nn.Module, tracker: CBSTracker, opt: Any, scheduler: Any, *, fi
 
 def params_of(model: nn.Module) -> list[list[float]]:
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return [p.detach().reshape(-1).tolist() for p in inner.parameters()]
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).tolist()
+            for p in inner.parameters()]
 
 
-def reference(steps: int) -> dict[str, Any]:
+def reference(steps: int, momentum: float = 0.0, schedule: bool = False) -> dict[str, Any]:
     """One process, every microbatch of each global batch: the run that never moved."""
     model = make_model()
-    tracker, opt, scheduler = build(model, START_ACCUMULATION * START_RANKS)
-    records = train(model, tracker, opt, scheduler, first_step=0, last_step=steps, rank=0)
+    tracker, opt, scheduler = build(model, START_ACCUMULATION * START_RANKS, momentum=momentum, schedule=schedule)
+    records = train(model, tracker, opt, scheduler, first_step=0, last_step=steps, rank=0,
+                    rows=FIXED_ROWS if schedule else None)
     return {"records": records, "params": params_of(model), "state": tracker.state_dict()}
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, first_step: int, last_step: int,
-           ckpt_in: str | None, ckpt_out: str | None) -> None:
+           ckpt_in: str | None, ckpt_out: str | None, schedule: bool = False) -> None:
     """Run steps ``first_step .. last_step - 1`` on ``world`` ranks (from ``ckpt_in`` if given), save at the end."""
     if world > 1:
         init_process_group(rank, world, init_file)
@@ -95,7 +102,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, first_step: int,
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     inner = model.module if world > 1 else model
-    tracker, opt, scheduler = build(model, START_ACCUMULATION)  # the same command line on every world size
+    # the same command line on every world size
+    tracker, opt, scheduler = build(model, START_ACCUMULATION, schedule=schedule)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if ckpt_in is not None:
@@ -104,7 +112,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, first_step: int,
             tracker.load_state_dict(ckpt["tracker"])
             opt.load_state_dict(ckpt["optimizer"])  # after the tracker: its LR is the one saved
             scheduler.load_state_dict(ckpt["scheduler"])
-        records = train(model, tracker, opt, scheduler, first_step=first_step, last_step=last_step, rank=rank)
+        records = train(model, tracker, opt, scheduler, first_step=first_step, last_step=last_step, rank=rank,
+                        rows=FIXED_ROWS if schedule else None)
     if ckpt_out is not None and rank == 0:
         torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
                     "tracker": tracker.state_dict()}, ckpt_out)
@@ -115,3 +124,42 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, first_step: int,
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+FSDP_MOMENTUM = 0.9  # the optimizer has state to reshard
+
+
+def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, first_step: int, last_step: int,
+                ckpt_in: str | None, ckpt_out: str | None) -> None:
+    """FSDP2 on ``world`` ranks (1 included): model and optimizer resharded by ``torch.distributed.checkpoint``."""
+    import torch.distributed.checkpoint as dcp
+    from cbs_tracker.integrations.fsdp import FSDPTracker
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tests.dist_workers import _fsdp_model
+
+    init_process_group(rank, world, init_file)
+    model = _fsdp_model()
+    tracker, opt, scheduler = build(model, START_ACCUMULATION, momentum=FSDP_MOMENTUM, tracker_type=FSDPTracker)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if ckpt_in is not None:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=ckpt_in)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            extra = torch.load(Path(ckpt_in) / "tracker.pt", weights_only=False)
+            tracker.load_state_dict(extra["tracker"])
+            scheduler.load_state_dict(extra["scheduler"])
+        records = train(model, tracker, opt, scheduler, first_step=first_step, last_step=last_step, rank=rank)
+    if ckpt_out is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_out)
+        if rank == 0:
+            torch.save({"tracker": tracker.state_dict(), "scheduler": scheduler.state_dict()},
+                       Path(ckpt_out) / "tracker.pt")
+    payload = {"records": records, "params": params_of(model), "state": tracker.state_dict(),
+               "warnings": [str(w.message) for w in caught]}
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(payload))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -157,3 +157,124 @@ def test_a_controller_without_convert_ranks_is_refused_with_the_reason():
     state["controller"] = {"anything": 1}
     with pytest.raises(ValueError, match="convert_ranks"):
         tracker.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------- FSDP2
+@pytest.fixture(scope="module")
+def fsdp_reference():
+    return rw.reference(END, momentum=rw.FSDP_MOMENTUM)
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_two_ranks")
+    ckpt = root / "dcp"
+    spawn(rw.fsdp_worker, args=(2, str(root / "pg"), str(root), 0, SAVE_AT, None, str(ckpt)), nprocs=2)
+    return ckpt, json.loads((root / "rank0.json").read_text())
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_an_fsdp2_checkpoint_of_two_ranks_resharded_onto_another_number_resumes_as_if_it_never_moved(
+    tmp_path, fsdp_checkpoint, fsdp_reference, world
+):
+    ckpt, first = fsdp_checkpoint
+    for a, b in zip(first["records"], fsdp_reference["records"][:SAVE_AT], strict=True):
+        _same(a, b)
+    spawn(rw.fsdp_worker, args=(world, str(tmp_path / "pg"), str(tmp_path), SAVE_AT, END, str(ckpt), None),
+          nprocs=world)
+    expected = fsdp_reference["records"][SAVE_AT:]
+    for r in range(world):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert [x["dp_degree"] for x in out["records"]] == [world] * len(expected)
+        for a, b in zip(out["records"], expected, strict=True):
+            _same(a, b)
+        # the momentum buffers came through the resharding: the weights are the reference's
+        for p, q in zip(out["params"], fsdp_reference["params"], strict=True):
+            assert p == pytest.approx(q, rel=1e-9, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------- a batch schedule in units
+SCHEDULE_SAVE_AT, SCHEDULE_END = 5, 12  # saved at 6 microbatches with 8 pending
+
+
+def test_a_batch_schedule_resumes_on_one_rank_as_if_it_never_moved_and_refuses_ranks_it_cannot_lay_out(tmp_path):
+    reference = rw.reference(SCHEDULE_END, schedule=True)
+    ckpt = tmp_path / "ckpt.pt"
+    first_dir, one_dir = tmp_path / "two", tmp_path / "one"
+    first_dir.mkdir(), one_dir.mkdir()
+    spawn(rw.worker, args=(2, str(tmp_path / "pg"), str(first_dir), 0, SCHEDULE_SAVE_AT, None, str(ckpt), True),
+          nprocs=2)
+    first = json.loads((first_dir / "rank0.json").read_text())
+    assert first["records"][-1]["microbatches"] == 6 and first["records"][-1]["next_microbatches"] == 8
+    rw.worker(0, 1, "", str(one_dir), SCHEDULE_SAVE_AT, SCHEDULE_END, str(ckpt), None, True)
+    out = json.loads((one_dir / "rank0.json").read_text())
+    for a, b in zip(first["records"] + out["records"], reference["records"], strict=True):
+        _same(a, b)
+    for p, q in zip(out["params"], reference["params"], strict=True):
+        assert p == pytest.approx(q, rel=1e-9, abs=1e-12)
+    # 4 ranks of 3 samples hold 12 per microbatch slot: the mark at 18 cannot be laid out there
+    from cbs_tracker import BatchSchedule, CBSTracker
+
+    model = rw.make_model()
+    tracker = CBSTracker(model, accumulation_steps=2, unit="samples", controller=BatchSchedule(rw.SCHEDULE_MARKS))
+    tracker.session.dp_degree = 4  # what a 4-rank run would have (no process group needed to load a state)
+    state = torch.load(ckpt, weights_only=False)["tracker"]
+    before = tracker.state_dict()
+    with pytest.raises(ValueError, match=r"the mark \(30, 18\) cannot be laid out"):
+        tracker.load_state_dict(state)
+    assert tracker.state_dict() == before
+
+
+# ---------------------------------------------------------------------------- the plain loop's data position
+def _sampler_batches(n, world, rank, batch_size, epoch=3):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(list(range(n)), num_replicas=world, rank=rank, shuffle=True, seed=11)
+    sampler.set_epoch(epoch)
+    return [b.tolist() for b in DataLoader(list(range(n)), batch_size=batch_size, sampler=sampler)]
+
+
+def _resumed_tracker(old_dp, new_dp):
+    from cbs_tracker import CBSTracker
+
+    saved = CBSTracker(torch.nn.Linear(2, 1), accumulation_steps=2, unit="samples").state_dict()
+    saved["dp_degree"] = old_dp
+    tracker = CBSTracker(torch.nn.Linear(2, 1), accumulation_steps=2, unit="samples")
+    tracker.session.dp_degree = new_dp  # stands for a run on new_dp ranks (the position needs no process group)
+    tracker.load_state_dict(saved)
+    return tracker
+
+
+@pytest.mark.parametrize(("old_dp", "new_dp"), [(2, 1), (2, 4), (4, 2), (2, 3)])
+def test_resume_position_continues_a_distributed_samplers_epoch_where_the_old_ranks_stopped(old_dp, new_dp):
+    n, bs, consumed = 240, 4, 7  # each old rank had consumed 7 batches of the epoch
+    done = {i for r in range(old_dp) for b in _sampler_batches(n, old_dp, r, bs)[:consumed] for i in b}
+    tracker = _resumed_tracker(old_dp, new_dp)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        skip = tracker.resume_position(consumed)
+    after = [i for r in range(new_dp) for b in _sampler_batches(n, new_dp, r, bs)[skip:] for i in b]
+    skipped = {i for r in range(new_dp) for b in _sampler_batches(n, new_dp, r, bs)[:skip] for i in b}
+    seen_again = done & set(after)
+    never = set(range(n)) - done - set(after)
+    assert not never, "no sample of the epoch may be skipped"
+    assert skipped <= done
+    if (consumed * old_dp) % new_dp == 0:
+        assert not seen_again and not caught
+    else:  # rounded down: the warning names how many loader batches are seen again, and it is so
+        repeated = consumed * old_dp - skip * new_dp
+        assert len(seen_again) == repeated * bs
+        assert len(caught) == 1 and f"{repeated} loader batch(es) of the epoch are seen again" in str(caught[0].message)
+
+
+def test_resume_position_on_the_same_ranks_is_the_count_and_bad_input_is_refused():
+    from cbs_tracker import CBSTracker
+
+    tracker = CBSTracker(torch.nn.Linear(2, 1), accumulation_steps=2, unit="samples")
+    tracker.load_state_dict(tracker.state_dict())
+    assert tracker.resumed_from is None and tracker.resume_position(7) == 7
+    with pytest.raises(ValueError, match=r"resume_position\(batches_per_rank=-1\): must be an int >= 0"):
+        tracker.resume_position(-1)
+    assert _resumed_tracker(2, 4).resumed_from == RankChange(2, 4, 2, 1)

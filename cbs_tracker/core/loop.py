@@ -713,6 +713,42 @@ class LoopTracker:
             self._good_group = int(layout["good_group"])
             self._oom_group = None if layout["oom_group"] is None else int(layout["oom_group"])
 
+    @property
+    def resumed_from(self) -> Any:
+        """The :class:`~cbs_tracker.policy.ranks.RankChange` the last :meth:`load_state_dict` converted
+        (``old_dp``, ``new_dp``, the accumulation before and after), or ``None``: the same ranks."""
+        return self.session.resumed_from
+
+    def resume_position(self, batches_per_rank: int) -> int:
+        """Loader batches each rank skips at a resume, given the count each rank had consumed when the
+        checkpoint was taken (on the checkpoint's ranks).
+
+        A ``DistributedSampler`` hands its ranks the epoch's batches in turn, so ``m`` batches on
+        each of ``D`` ranks are the epoch's first ``D * m``; on ``D'`` ranks the same place is
+        ``D * m / D'`` batches each. When ``D'`` does not divide ``D * m`` the count is rounded
+        down and the batches in between are seen again: warned once, with their number. The same
+        ranks: ``batches_per_rank`` unchanged.
+
+        Raises:
+            ValueError: ``batches_per_rank`` is not an integer >= 0.
+        """
+        name = type(self).__name__
+        if isinstance(batches_per_rank, bool) or not isinstance(batches_per_rank, int) or batches_per_rank < 0:
+            raise ValueError(f"{name}.resume_position(batches_per_rank={batches_per_rank!r}): must be an int >= 0")
+        change = self.session.resumed_from
+        if change is None:
+            return batches_per_rank
+        total = batches_per_rank * change.old_dp
+        skip, repeated = divmod(total, change.new_dp)
+        if repeated:
+            self.session.warn_once(
+                "resume_position",
+                f"{name}: the checkpoint's {change.old_dp} ranks had consumed {batches_per_rank} loader batches "
+                f"each, the first {total} of the epoch, which {change.new_dp} ranks cannot split evenly: each "
+                f"skips {skip}, so {repeated} loader batch(es) of the epoch are seen again",
+            )
+        return skip
+
     def remove_hooks(self) -> None:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
         self.collector.remove()
