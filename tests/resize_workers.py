@@ -163,3 +163,74 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, first_step:
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(payload))
     dist.barrier()
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the microbatch grown first
+MB_ROWS = 2  # rows per loader batch
+MB_MARKS = ((0, 8), (24, 16), (72, 32), (200, 64))  # samples: levels 2, 4, 8, 16 loader batches per rank of 2
+MB_N = 2 * MB_ROWS * 96
+
+
+def _mb_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+
+def _mb_loader(world: int, rank: int, skip: int = 0) -> Any:
+    import itertools
+
+    from tests.test_microbatch_first import Indexed
+
+    data = Indexed(MB_N)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    return itertools.islice(torch.utils.data.DataLoader(data, batch_size=MB_ROWS, sampler=sampler), skip, None)
+
+
+def microbatch_first_run(rank: int, world: int, init_file: str, out_dir: str, steps: int, ckpt_in: str | None,
+                         ckpt_out: str | None, accumulation: int) -> None:
+    """``steps`` windows of ``tracker.windows(loader)`` with ``max_microbatch`` on ``world`` ranks."""
+    from cbs_tracker import BatchSchedule
+
+    if world > 1:
+        init_process_group(rank, world, init_file)
+    model: nn.Module = _mb_model()
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    inner = model.module if world > 1 else model
+    opt = torch.optim.SGD(inner.parameters(), lr=LR)
+    tracker = CBSTracker(model, opt, accumulation_steps=accumulation, unit="samples",
+                         controller=BatchSchedule(MB_MARKS), max_microbatch=4 * MB_ROWS)
+    consumed, skip = 0, 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if ckpt_in is not None:
+            ckpt = torch.load(ckpt_in, weights_only=False)
+            inner.load_state_dict(ckpt["model"])
+            tracker.load_state_dict(ckpt["tracker"])
+            opt.load_state_dict(ckpt["optimizer"])
+            skip = tracker.resume_position(ckpt["batches_per_rank"])
+        records = []
+        for window in tracker.windows(_mb_loader(world, rank, skip)):
+            for mb in window:
+                with tracker.microbatch(size=len(mb["index"])):
+                    loss = 0.5 * (model(mb["x"]).squeeze(-1) - mb["y"]).pow(2).mean()
+                    (loss / tracker.accumulation_steps).backward()
+            rec = tracker.step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            consumed += rec.accumulation_steps
+            records.append({"step": rec.step, "global_batch": rec.global_batch, "lr": rec.lr,
+                            "loader_batches": rec.accumulation_steps * rec.dp_degree,
+                            "microbatches": len(window) * rec.dp_degree, "micro_batch": rec.micro_batch,
+                            "indices": [i for mb in window for i in mb["index"].tolist()]})
+            if len(records) == steps:
+                break
+    if ckpt_out is not None and rank == 0:
+        torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "tracker": tracker.state_dict(),
+                    "batches_per_rank": consumed}, ckpt_out)
+    payload = {"records": records, "params": params_of(model), "warnings": [str(w.message) for w in caught]}
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(payload))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()

@@ -213,10 +213,10 @@ def test_a_batch_schedule_resumes_on_one_rank_as_if_it_never_moved_and_refuses_r
     for p, q in zip(out["params"], reference["params"], strict=True):
         assert p == pytest.approx(q, rel=1e-9, abs=1e-12)
     # 4 ranks of 3 samples hold 12 per microbatch slot: the mark at 18 cannot be laid out there
-    from cbs_tracker import BatchSchedule, CBSTracker
+    from cbs_tracker import CBSTracker
 
     model = rw.make_model()
-    tracker = CBSTracker(model, accumulation_steps=2, unit="samples", controller=BatchSchedule(rw.SCHEDULE_MARKS))
+    tracker = CBSTracker(model, accumulation_steps=2, unit="samples", controller=rw.make_schedule())
     tracker.session.dp_degree = 4  # what a 4-rank run would have (no process group needed to load a state)
     state = torch.load(ckpt, weights_only=False)["tracker"]
     before = tracker.state_dict()
@@ -278,3 +278,31 @@ def test_resume_position_on_the_same_ranks_is_the_count_and_bad_input_is_refused
     with pytest.raises(ValueError, match=r"resume_position\(batches_per_rank=-1\): must be an int >= 0"):
         tracker.resume_position(-1)
     assert _resumed_tracker(2, 4).resumed_from == RankChange(2, 4, 2, 1)
+
+
+# ---------------------------------------------------------------------------- the microbatch grown first
+def test_a_microbatch_first_run_of_two_ranks_resumes_on_one_with_its_layout_data_and_weights(tmp_path):
+    save_at, end = 4, 9  # saved at 4 loader batches of 2 rows per rank (16 samples); the mark at 72 grows it
+    ref_dir, two, one = tmp_path / "ref", tmp_path / "two", tmp_path / "one"
+    for d in (ref_dir, two, one):
+        d.mkdir()
+    ckpt = tmp_path / "ckpt.pt"
+    rw.microbatch_first_run(0, 1, "", str(ref_dir), end, None, None, 4)  # 1 process at the same global batch
+    spawn(rw.microbatch_first_run, args=(2, str(tmp_path / "pg"), str(two), save_at, None, str(ckpt), 2),
+          nprocs=2)
+    rw.microbatch_first_run(0, 1, "", str(one), end - save_at, str(ckpt), None, 2)
+    reference = json.loads((ref_dir / "rank0.json").read_text())
+    first = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
+    resumed = json.loads((one / "rank0.json").read_text())
+    assert not resumed["warnings"], resumed["warnings"]
+    before = [sorted(a["indices"] + b["indices"]) for a, b in zip(first[0]["records"], first[1]["records"])]
+    assert before == [sorted(r["indices"]) for r in reference["records"][:save_at]]
+    expected = reference["records"][save_at:]
+    assert len({r["loader_batches"] for r in expected}) > 1, "the batch must grow after the resume"
+    for a, b in zip(resumed["records"], expected, strict=True):
+        # the same samples in the same order, the same layout (loader batches per microbatch), batch and LR
+        for key in ("step", "global_batch", "loader_batches", "microbatches", "micro_batch", "indices"):
+            assert a[key] == b[key], (key, a["step"], a[key], b[key])
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    for p, q in zip(resumed["params"], reference["params"], strict=True):
+        assert p == pytest.approx(q, rel=1e-9, abs=1e-12)
