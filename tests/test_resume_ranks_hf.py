@@ -109,6 +109,11 @@ def test_cbs_trainer_two_processes_resumed_on_three_count_the_batches_run_again(
           join=True)
     three = [torch.load(tmp_path / "three" / f"rank{r}.pt", weights_only=False) for r in range(3)]
     assert {r["record"]["accumulation_steps"] for log in three for r in log["rows"]} == {1}
+    # the LR follows the batch that runs: x 3/4 (SGD: linear) of the schedule's, from the first step on
+    for r in three[0]["rows"]:
+        rec = r["record"]
+        assert rec["global_batch"] == 3 * 2  # one microbatch of 2 samples on each of three processes
+        assert rec["lr"] == pytest.approx(rec["scheduled_lr"] * 3 / 4, rel=1e-12), rec["step"]
 
     def names(rows):
         return [tuple(x.tolist()) for r in rows for x in r["xs"]]
