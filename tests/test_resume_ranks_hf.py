@@ -50,7 +50,7 @@ def _same_step(a: dict, b: dict) -> None:
     torch.testing.assert_close(a["params"], b["params"], rtol=1e-5, atol=1e-6)
 
 
-# "random": accelerate's seedable sampler draws each epoch's order from the seed and the epoch alone, the
+# "random": accelerate's sampler draws each epoch's order from the arguments and the epoch number alone, the
 # same permutation at any number of processes, then dealt to them batch by batch
 @pytest.mark.parametrize("sampling", ["sequential", "random"])
 def test_cbs_trainer_two_processes_resumed_on_one_equal_the_run_that_never_moved(tmp_path, sampling):
