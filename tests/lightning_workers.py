@@ -265,7 +265,8 @@ class SampleLog(pl.Callback):
     """Per optimizer step: the record, Lightning's accumulation and position, the LR, and the samples run.
 
     A sample is named by its index in ``dataset`` (found from its first feature, unique in
-    :func:`regression_data`). Each rank writes ``rank{r}.json`` to ``out_dir`` at the end of fit.
+    :func:`regression_data`). Each rank writes ``rank{r}.json`` to ``out_dir`` at the end of fit,
+    with the warnings raised from the fit's setup on.
     """
 
     def __init__(self, cbs: Any, dataset: Any, out_dir: str) -> None:
@@ -276,6 +277,15 @@ class SampleLog(pl.Callback):
         self.rows: list[dict[str, Any]] = []
         self.window: list[int] = []
         self.samples: list[tuple[int, int]] = []  # (epoch, index) of every sample run, in order
+        self._catch: Any = None
+        self._caught: list[Any] = []
+
+    def setup(self, trainer, pl_module, stage):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self._caught = self._catch.__enter__()
+        warnings.simplefilter("always")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         ids = [self.index[k] for k in batch[0][:, 0].tolist()]
@@ -291,6 +301,11 @@ class SampleLog(pl.Callback):
         self.window = []
 
     def on_fit_end(self, trainer, pl_module):
+        messages = [str(w.message) for w in self._caught]
+        if self._catch is not None:
+            self._catch.__exit__(None, None, None)
+            self._catch = None
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"rows": self.rows, "applied": self.cbs.applied_changes, "samples": self.samples,
-                       "world_size": trainer.world_size, "global_step": trainer.global_step}, f)
+                       "world_size": trainer.world_size, "global_step": trainer.global_step,
+                       "warnings": messages}, f)

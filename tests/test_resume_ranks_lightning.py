@@ -71,13 +71,15 @@ def _trainer(devices: int, epochs: int, callbacks: list, accumulation: int, **kw
 
 
 def _fit(out, make_cbs, make_module, *, devices: int, epochs: int, accumulation: int, checkpoint=None,
-         ckpt_path: str | None = None, **kw) -> tuple[dict, list]:
-    """A fit writing ``out/rank{r}.json`` (a :class:`SampleLog`); returns rank 0's log and the warnings."""
+         ckpt_path: str | None = None, n: int = N, **kw) -> tuple[dict, list]:
+    """A fit writing ``out/rank{r}.json`` (a :class:`SampleLog`); returns rank 0's log and the warnings.
+
+    Several devices: rank ``r`` of ``R`` runs samples ``r, r + R, ...``; one: the two ranks' batches in turn."""
     out.mkdir(parents=True, exist_ok=True)
-    data = regression_data(N)
+    data = regression_data(n)
     cbs = make_cbs()
     callbacks = [cbs, SampleLog(cbs, data, str(out))] + ([checkpoint] if checkpoint is not None else [])
-    sampler = RankSlice(N, 2) if devices == 2 else InterleavedOrder(N, ROWS, 2)
+    sampler = RankSlice(n, devices) if devices > 1 else InterleavedOrder(n, ROWS, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _trainer(devices, epochs, callbacks, accumulation, **kw).fit(
@@ -181,3 +183,32 @@ def test_lightning_two_ranks_resumed_on_one_in_the_middle_of_an_epoch(tmp_path):
                     message)
     assert got is not None, message
     assert [int(x) for x in got.groups()] == [repeated // ROWS, skipped // ROWS, repeated, skipped]
+
+
+def test_lightning_two_ranks_resumed_on_three_in_the_middle_of_an_epoch_count_what_runs_again(tmp_path):
+    # 192 samples: 48 loader batches, 24 per rank on two, 16 on three; 2 per rank and window (no controller),
+    # a global batch of 4 loader batches that three ranks run as 3
+    n = 192
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{step}", every_n_train_steps=5, save_top_k=-1)
+    first, _ = _fit(tmp_path / "first", lambda: CBSCallback(controller=None), Regression, devices=2, epochs=1,
+                    accumulation=A0, checkpoint=ckpt, n=n)
+    _fit(tmp_path / "three", lambda: CBSCallback(controller=None), Regression, devices=3, epochs=1,
+         accumulation=A0, n=n, ckpt_path=str(tmp_path / "ckpt" / "step=5.ckpt"))
+    logs = [json.loads((tmp_path / "three" / f"rank{r}.json").read_text()) for r in range(3)]
+    other = json.loads((tmp_path / "first" / "rank1.json").read_text())
+    before = [i for log in (first, other) for r in log["rows"][:5] for i in r["samples"]]
+    after = [i for log in logs for _, i in log["samples"]]
+    # Lightning's counter: the 20 global batches run, over three ranks in windows of 1, rounded down
+    position = len(before) // ROWS // 3
+    assert [r["batch_idx"] for r in logs[0]["rows"]] == list(range(position, n // ROWS // 3))
+    assert {r["record"]["global_batch"] for log in logs for r in log["rows"]} == {3 * ROWS}
+    count = collections.Counter(before + after)
+    repeated, skipped = sum(c - 1 for c in count.values()), n - len(count)
+    assert repeated > 0 and skipped > 0
+    warned = [m for m in logs[0]["warnings"] if "Lightning restarts it" in m]
+    assert len(warned) == 1, logs[0]["warnings"]
+    got = re.search(r"(\d+) batches run a second time and (\d+) are not run in this epoch \((\d+) and (\d+) samples\)",
+                    warned[0])
+    assert got is not None, warned[0]
+    assert [int(x) for x in got.groups()] == [repeated // ROWS, skipped // ROWS, repeated, skipped]
+    assert f"so the counter goes on at {position * 3}, {len(before) // ROWS - position * 3} batches more" in warned[0]
