@@ -84,7 +84,8 @@ def _fit(out, make_cbs, make_module, *, devices: int, epochs: int, accumulation:
         warnings.simplefilter("always")
         _trainer(devices, epochs, callbacks, accumulation, **kw).fit(
             make_module(), torch.utils.data.DataLoader(data, batch_size=ROWS, sampler=sampler), ckpt_path=ckpt_path)
-    return json.loads((out / "rank0.json").read_text()), [str(w.message) for w in caught]
+    log = json.loads((out / "rank0.json").read_text())
+    return log, [str(w.message) for w in caught] + log["warnings"]  # (the log's: those from the fit's setup on)
 
 
 def _steps(log: dict) -> list[tuple]:
