@@ -306,3 +306,22 @@ def test_a_microbatch_first_run_of_two_ranks_resumes_on_one_with_its_layout_data
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
     for p, q in zip(resumed["params"], reference["params"], strict=True):
         assert p == pytest.approx(q, rel=1e-9, abs=1e-12)
+
+
+def test_an_uneven_split_below_the_starting_batch_keeps_the_schedule_on_the_data(tmp_path):
+    """2 ranks at the starting 2 microbatches each (4) resumed on 3: 3 microbatches a step, 3/4 of a
+    starting-batch step each, so the LR schedule (sized in starting-batch steps) advances with the data."""
+    ckpt, out_dir = tmp_path / "ckpt.pt", tmp_path / "three"
+    out_dir.mkdir()
+    spawn(rw.worker, args=(2, str(tmp_path / "pg"), str(tmp_path), 0, 2, None, str(ckpt)), nprocs=2)
+    spawn(rw.worker, args=(3, str(tmp_path / "pg3"), str(out_dir), 2, 4, str(ckpt), None), nprocs=3)
+    records = json.loads((out_dir / "rank0.json").read_text())["records"]
+    assert [r["microbatches"] for r in records] == [3, 3]
+    k0, microbatches = 4, 2 * 4  # the two steps before the checkpoint ran 4 each
+    for r in records:
+        # the schedule (LambdaLR 1 / (1 + 0.1 e), stepped once per starting-batch step) is where the data
+        # before this step puts it
+        assert r["scheduled_lr"] == pytest.approx(rw.LR / (1 + 0.1 * (microbatches // k0)), rel=1e-12)
+        microbatches += r["microbatches"]
+        assert r["starting_batch_steps"] == microbatches // k0, r  # 2 + floor(3/4), 2 + floor(6/4)
+        assert r["lr"] == pytest.approx(r["scheduled_lr"] * 3 / 4, rel=1e-12)

@@ -445,16 +445,16 @@ class TrackingSession:
     def _advance(self, stats: StepStats, run: int, window_accumulation: int) -> None:
         """Count the step, its units and the starting-batch steps it held (the schedule's position).
 
-        A whole window of ``k >= A0`` microbatches holds ``floor((carry + k) / A0)`` starting-batch
-        steps and carries the rest (a batch that is not a multiple of the starting one, a gradual
-        ramp: the position is the constant run's at the same data, to within one of its steps); a
-        short window (an epoch's last) rounds up, as the constant run's own short step does; a
-        window below the starting batch holds one.
+        A whole window of ``k`` microbatches holds ``floor((carry + k) / A0)`` starting-batch steps
+        and carries the rest (a batch that is not a multiple of the starting one, a gradual ramp, a
+        batch below the starting one: the position is the constant run's at the same data, to
+        within one of its steps; a step may then hold none); a short window (an epoch's last)
+        rounds up, as the constant run's own short step does.
         """
         a0 = self.starting_accumulation
         k_per_rank = run / max(self.dp_degree, 1) * self.micro_group
         whole = k_per_rank >= int(window_accumulation) * self.micro_group - 1e-9
-        if k_per_rank >= a0 - 1e-9 and whole:
+        if whole:
             total = self.starting_batch_carry + k_per_rank
             held = int(math.floor(total / a0 + 1e-9))
             self.starting_batch_carry = max(0.0, total - held * a0) if abs(total - held * a0) > 1e-9 else 0.0
@@ -742,6 +742,7 @@ class TrackingSession:
                 raise ValueError(f"{where}: 'schedule.scheduled_lrs' must hold finite numbers >= 0")
             _int(schedule, "owed", where + " schedule", minimum=0)
             _int(schedule, "carry", where + " schedule", minimum=0, default=0)
+            _int(schedule, "due", where + " schedule", minimum=0, default=0)
         # nested parts: validate and load atomically (restore both on failure)
         est_before = self.estimator.state_dict()
         ctl_before = None if self.controller is None else self.controller.state_dict()

@@ -176,6 +176,7 @@ class ScheduleTimer:
         # the groups hold the scheduled value times the coupling now in force (a resumed run's)
         self.coupling = float(coupling)
         self.owed = 0
+        self.due = 0  # optimizer steps not yet followed by the scheduler's step() (0 or 1)
         self.writes = 0
         self._plateau = type(scheduler).__name__ == "ReduceLROnPlateau"
         # one step per call, not re-timed: an epoch-interval scheduler (an epoch holds the same data
@@ -202,6 +203,7 @@ class ScheduleTimer:
     def owe(self, steps: int) -> None:
         """Starting-batch steps the schedule owes after an optimizer step that held that many."""
         self.owed += int(steps)
+        self.due += 1  # a step that held less than a starting-batch step still calls the scheduler once
 
     def set_coupling(self, factor: float) -> None:
         """Apply a new coupling factor now: ``lr = scheduled * factor`` in every param group."""
@@ -216,7 +218,7 @@ class ScheduleTimer:
         per epoch, so what an epoch leaves is not carried into the next.
         """
         n = (self.owed + self.carry) // self.period
-        self.owed = self.carry = 0
+        self.owed = self.carry = self.due = 0
         if n > 0 and not (self._plateau or self.per_call):
             self._advance(n)
 
@@ -241,7 +243,7 @@ class ScheduleTimer:
             # metric-driven or epoch-sized, not step-sized: one call, no re-timing
             self._advance(1, *args, **kwargs)
         else:
-            if self.owed <= 0:
+            if self.due <= 0:
                 raise RuntimeError(
                     f"{self.owner}: lr_scheduler.step() was called twice for one optimizer step (or before "
                     "the tracker measured the step). The scheduler given to the tracker is advanced by "
@@ -249,7 +251,7 @@ class ScheduleTimer:
                     "step, after optimizer.step(), and nowhere else."
                 )
             n, self.carry = divmod(self.owed + self.carry, self.period)
-            self.owed = 0
+            self.owed = self.due = 0
             self._advance(n, *args, **kwargs)
 
     def _write(self) -> None:
@@ -262,12 +264,13 @@ class ScheduleTimer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduled_lrs": list(self.scheduled), "owed": self.owed, "carry": self.carry}
+        return {"scheduled_lrs": list(self.scheduled), "owed": self.owed, "carry": self.carry, "due": self.due}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduled = [float(v) for v in state["scheduled_lrs"]]
         self.owed = int(state["owed"])
         self.carry = int(state.get("carry", 0))
+        self.due = int(state.get("due", 1 if self.owed > 0 else 0))
 
 
 def _has_timer(scheduler: Any) -> bool:
