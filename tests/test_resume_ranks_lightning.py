@@ -36,14 +36,11 @@ from tests.lightning_workers import (
     SampleLog,
     regression_data,
 )
-from tests.test_lightning import fast_estimator, small_controller
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
-    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
-    pytest.mark.filterwarnings("ignore:.*litlogger.*"),
-    pytest.mark.filterwarnings("ignore:.*isinstance.*treespec.*"),
-]
+from tests.test_lightning import (
+    fast_estimator,
+    pytestmark,  # noqa: F401  (Lightning's own warnings filtered alike)
+    small_controller,
+)
 
 N, ROWS, A0 = 256, 4, 2  # an epoch of 256 samples in loader batches of 4; 2 per window and rank
 
