@@ -215,6 +215,10 @@ class GradStatsCollector:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked: set[int] = set()
         self._hooked_params: list[nn.Parameter] = []
+        self._fns: list[Callable[[torch.Tensor], None]] = []
+        # hooks detached for the windows the cadence does not measure: per hooked parameter,
+        # the hook dict taken off it (None: left on, e.g. it holds other hooks too)
+        self._detached: list[dict[Any, Any] | None] | None = None
         self._from_grad = False  # this microbatch's norms are read from .grad at its end
         self._param_bytes = 0
         self._lock = threading.Lock()  # hooks of several devices run on several autograd threads
@@ -236,8 +240,11 @@ class GradStatsCollector:
         self.window_unmeasurable = False
         #: host seconds spent measuring the current window (hooks, norms), since reset_window
         self.own_seconds = 0.0
-        #: hook calls seen by the last finished microbatch (0: its backward ran outside it,
-        #: or nothing required grad)
+        #: time the measuring work into :attr:`own_seconds` (``measure_every="auto"`` reads it;
+        #: without it no clock is read)
+        self.timed = True
+        #: hook calls seen by the last finished measured microbatch (0: its backward ran outside
+        #: it, or nothing required grad)
         self.hooks_fired_in_last_microbatch = 0
         #: hook calls that arrived outside any microbatch since the last :meth:`reset_window`
         self.hooks_fired_outside = 0
@@ -254,7 +261,50 @@ class GradStatsCollector:
         self._hooked_params.append(param)
         self._param_bytes += param.numel() * param.element_size()
         self._limit = self.bucket_bytes
-        self._handles.append(param.register_hook(self._make_hook(param)))
+        fn = self._make_hook(param)
+        self._fns.append(fn)
+        self._handles.append(param.register_hook(fn))
+        if self._detached is not None:  # hooked between two measured windows: detached like the others
+            self._detached.append(self._take_off(len(self._handles) - 1))
+
+    # A window the cadence does not measure needs no hook at all: autograd calls into Python
+    # for every parameter that has a hook dict, even an empty one (about a microsecond each),
+    # so the dict itself is taken off the parameter (``_backward_hooks = None``, as before any
+    # hook was registered) and put back for the next measured window. Only a dict that holds
+    # nothing but this collector's hook is taken off; a parameter with other hooks keeps
+    # them all (ours only counts its calls then). Both happen between backward passes, at a
+    # microbatch's start.
+    def _take_off(self, i: int) -> dict[Any, Any] | None:
+        param, handle = self._hooked_params[i], self._handles[i]
+        hooks = param._backward_hooks
+        if hooks is None or len(hooks) != 1 or handle.id not in hooks:
+            return None
+        param._backward_hooks = None
+        return hooks
+
+    def _detach_hooks(self) -> None:
+        if self._detached is None:
+            self._detached = [self._take_off(i) for i in range(len(self._handles))]
+
+    def _attach_hooks(self) -> None:
+        detached, self._detached = self._detached, None
+        if detached is None:
+            return
+        for i, hooks in enumerate(detached):
+            if hooks is None:
+                continue
+            param = self._hooked_params[i]
+            if param._backward_hooks is None:
+                param._backward_hooks = hooks
+            else:  # someone registered a hook meanwhile: ours joins theirs
+                self._handles[i] = param.register_hook(self._fns[i])
+
+    @property
+    def hooks_attached(self) -> int:
+        """Hooked parameters whose hook autograd calls now (0 for the whole model between measured windows)."""
+        if self._detached is None:
+            return len(self._handles)
+        return sum(d is None for d in self._detached)
 
     @property
     def bucket_bytes(self) -> int:
@@ -278,6 +328,11 @@ class GradStatsCollector:
                 return
             if self._from_grad:  # read from .grad when the microbatch ends
                 self._hooks_this_microbatch += 1
+                return
+            if not self.timed:
+                with self._lock:
+                    self._hooks_this_microbatch += 1
+                    self._file(param, grad)
                 return
             t0 = time.perf_counter()
             with self._lock:
@@ -379,9 +434,15 @@ class GradStatsCollector:
 
     def remove(self) -> None:
         """Remove every hook (the model is left as it was)."""
-        for h in self._handles:
-            h.remove()
+        detached, self._detached = self._detached, None
+        for i, h in enumerate(self._handles):
+            h.remove()  # a detached dict is not on its parameter any more: it just empties
+            param = self._hooked_params[i]
+            if (detached is None or detached[i] is None) and param._backward_hooks is not None \
+                    and len(param._backward_hooks) == 0:
+                param._backward_hooks = None  # no dict left for autograd to call into
         self._handles.clear()
+        self._fns.clear()
         self._hooked.clear()
         self._hooked_params.clear()
         self._param_bytes = 0
@@ -404,16 +465,21 @@ class GradStatsCollector:
                 change it), the hooks only count and the norms are taken from
                 ``.grad`` at :meth:`end_microbatch` (one fused norm per device and
                 dtype, nothing held); otherwise the hooks measure as usual.
-            measure: ``False`` for a window the measuring cadence lets pass: the hooks
-                only count their calls and no norm is taken (the microbatch's size is kept).
+            measure: ``False`` for a window the measuring cadence lets pass: the hooks are
+                taken off the parameters (autograd calls nothing of the tracker) until the
+                next measured microbatch, and no norm is taken (the microbatch's size is kept).
         """
         if self._recording or self._passive:
             raise RuntimeError("GradStatsCollector.begin_microbatch: the previous microbatch was not ended")
         self._hooks_this_microbatch = 0
         if not measure:
             self._passive = True
+            if self._handles:
+                self._detach_hooks()
             return
-        t0 = time.perf_counter()
+        if self._detached is not None:
+            self._attach_hooks()
+        t0 = time.perf_counter() if self.timed else 0.0
         # a post-accumulate-grad hook may change .grad before it is read (per-parameter clipping,
         # an optimizer step in backward): those parameters keep the hooks' own checks
         self._from_grad = unsynced and not self._eager and all(
@@ -423,7 +489,8 @@ class GradStatsCollector:
         self._norms = {}
         self._skipped = False
         self._hooks_this_microbatch = 0
-        self.own_seconds += time.perf_counter() - t0
+        if self.timed:
+            self.own_seconds += time.perf_counter() - t0
 
     def end_microbatch(self, size: torch.Tensor | float) -> None:
         """Close the microbatch; ``size`` is its loss-contributing units (tokens or samples).
@@ -432,12 +499,11 @@ class GradStatsCollector:
         in :meth:`window_sums`.
         """
         if self._passive:
-            self._passive = False
-            self.hooks_fired_in_last_microbatch = self._hooks_this_microbatch
+            self._passive = False  # (the hooks are off: hooks_fired_in_last_microbatch stays the measured one's)
             self._micro_sq.append(_HOST_ZERO)  # a placeholder: a window not measured takes no norm
             self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
             return
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.timed else 0.0
         with self._lock:
             if self._from_grad:
                 self._reduce_grads()
@@ -456,7 +522,8 @@ class GradStatsCollector:
             sq = _sq_total(groups.values())
         self._micro_sq.append(sq)
         self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
-        self.own_seconds += time.perf_counter() - t0
+        if self.timed:
+            self.own_seconds += time.perf_counter() - t0
 
     @property
     def num_microbatches(self) -> int:
@@ -506,6 +573,27 @@ class GradStatsCollector:
         sums = torch.where(valid.unsqueeze(1), cols, 0.0).sum(0)
         invalid = (~ok).sum(dtype=torch.float64)
         return torch.cat([sums[:4], invalid.reshape(1), sums[4:], tail])
+
+    def host_sizes(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
+        """The window's microbatch sizes as host floats, and ``extra`` (0-d tensors) likewise.
+
+        Sizes given as tensors (and ``extra``) are read in one stack and one copy when they
+        share a device and dtype (the usual case: tokens counted from the labels), one read
+        each otherwise. What a window the cadence does not measure needs: its counts only.
+        """
+        tensors = [v for v in self._micro_size if isinstance(v, torch.Tensor)] + list(extra)
+        if not tensors:
+            return [float(v) for v in self._micro_size], []  # type: ignore[arg-type]
+        first = tensors[0]
+        if len(tensors) == 1:
+            read = [first.item()]
+        elif all(t.dtype == first.dtype and t.device == first.device for t in tensors):
+            read = torch.stack(tensors).tolist()
+        else:
+            read = torch.stack([t.to(device="cpu", dtype=torch.float64) for t in tensors]).tolist()
+        it = iter(read)
+        sizes = [float(next(it)) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
+        return sizes, [float(v) for v in it]
 
     def host_window_sums(self) -> list[float] | None:
         """:meth:`window_sums` as Python floats when every value already lives on the host.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -199,6 +200,7 @@ class LoopTracker:
         self._avg_ranks = self._averaging_ranks(grads_averaged_over_ranks)
         self._transform = adam_preconditioner(optimizer) if preconditioner == "adam" else None
         self.collector = GradStatsCollector([], transform=self._transform, register=False)
+        self.collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
         self._window_params: list[nn.Parameter] = []
         self._register_hooks()
         if lr_scheduler is not None:
@@ -418,6 +420,8 @@ class LoopTracker:
             ValueError: a negative or non-finite ``size``.
             RuntimeError: nested microbatches.
         """
+        timing = self.session.timing  # "auto" times the window before a measured one (no clock otherwise)
+        t0 = time.perf_counter() if timing else 0.0
         name = type(self).__name__
         if (size is None) == (labels is None):
             raise TypeError(
@@ -437,6 +441,8 @@ class LoopTracker:
         last = self._window_index >= self._window_divisor - 1
         self._in_microbatch = True
         self.collector.begin_microbatch(unsynced=self._unsynced(last), measure=self._measure)
+        if timing:
+            self.session.own_extra += time.perf_counter() - t0
         recovered = False
         try:
             with self._sync_context(last):
@@ -446,13 +452,16 @@ class LoopTracker:
                 raise
             recovered = True
         finally:
+            t0 = time.perf_counter() if timing else 0.0
             self.collector.end_microbatch(n)
             self._in_microbatch = False
             self._window_index += 1
+            if timing:
+                self.session.own_extra += time.perf_counter() - t0
         if recovered:
             self._restart_window()
             return
-        if getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
+        if self._measure and getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
             self.session.warn_once(
                 "no_hook",
                 f"{name}: no gradient reached the tracker during a microbatch: call loss.backward() inside "
@@ -554,6 +563,7 @@ class LoopTracker:
                 :attr:`accumulation_steps` (raised on every rank, before the optimizer can
                 step on gradients that were never all-reduced).
         """
+        t0 = time.perf_counter() if self.session.timing else None
         name = type(self).__name__
         if self._in_microbatch:
             raise RuntimeError(f"{name}.step(): called inside tracker.microbatch()")
@@ -598,6 +608,8 @@ class LoopTracker:
             raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
         reusable = self._transform is None and not self.big_norm_is_sharded and math.isfinite(stats.synced_sq_norm)
         self._step_norm = math.sqrt(max(stats.synced_sq_norm, 0.0)) if reusable else None
+        if t0 is not None:
+            self.session.own_extra += time.perf_counter() - t0
         return self.session.finish_step(
             stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()
         )

@@ -163,7 +163,13 @@ def reduce_window(
     """
     if normalization not in LOSS_NORMALIZATIONS:
         raise ValueError(f"reduce_window(normalization={normalization!r}): must be one of {LOSS_NORMALIZATIONS}")
-    t0 = time.perf_counter()
+    if not measured:
+        return _reduce_counts(
+            collector, dp_group=dp_group, loss_divisor=loss_divisor, avg_ranks=avg_ranks,
+            big_norm_is_sharded=big_norm_is_sharded, expected_microbatches=expected_microbatches,
+            normalization=normalization, units_divisor=units_divisor, proposed_every=proposed_every,
+        )
+    t0 = time.perf_counter() if collector.timed else None
     big = local_grad_sq_norm(big_params, transform) if measured else None
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)
@@ -257,8 +263,64 @@ def reduce_window(
                        replicas=not big_norm_is_sharded, own_seconds=_own_seconds(collector, measured, t0))
 
 
-def _own_seconds(collector: GradStatsCollector, measured: bool, started: float) -> float:
-    """Host seconds this rank spent measuring the window: its hooks and norms, and this reduction."""
+def _reduce_counts(
+    collector: GradStatsCollector,
+    *,
+    dp_group: Any | None,
+    loss_divisor: float,
+    avg_ranks: int,
+    big_norm_is_sharded: bool,
+    expected_microbatches: int | None,
+    normalization: str,
+    units_divisor: torch.Tensor | float | None,
+    proposed_every: float,
+) -> tuple[StepStats, WindowFaults]:
+    """:func:`reduce_window` of a window the cadence does not measure: its counts only, on the host.
+
+    No norm, no clock; the sizes given as tensors are read in one copy. The vector is the one
+    :func:`reduce_window` reduces (the norms' entries 0, ``measured`` 0), so on several ranks it
+    goes through the same ``all_reduce``: the ranks still check the window's size and agree on
+    the cadence.
+    """
+    divisor_t = units_divisor if isinstance(units_divisor, torch.Tensor) else None
+    sizes, read = collector.host_sizes(() if divisor_t is None else (divisor_t.reshape(()),))
+    k = inv_b = units = invalid = 0.0
+    for b in sizes:
+        if not (b >= 0.0 and b < math.inf):  # negative, nan or infinite
+            invalid += 1.0
+        elif b > 0.0:
+            k += 1.0
+            inv_b += 1.0 / b
+            units += b
+    a = float(loss_divisor)
+    group = normalization == "group"
+    if normalization == "mean":
+        c, q = k / a, inv_b / (a * a)
+    else:
+        d = 1.0 if group else (units if units_divisor is None else (read[0] if read else float(units_divisor)))
+        d = d if units > 0 else 1.0
+        c, q = units / (d * a), units / (d * a) ** 2
+    finite = math.isfinite(c) and math.isfinite(q)
+    local_k = len(sizes)
+    mismatched = float(expected_microbatches is not None and local_k not in (0, expected_microbatches))
+    values = [
+        0.0, k, inv_b, units, 0.0, 0.0 if finite else 1.0, 0.0, mismatched, invalid, float(local_k),
+        c if finite else 0.0, q if finite else 0.0, 0.0, float(proposed_every),
+        0.0, (c * c) if finite else 0.0, (q * q) if finite else 0.0, 0.0,
+    ]
+    ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
+    if ranks > 1:
+        device = cbs_dist.reduction_device(dp_group, torch.device("cpu"))
+        vec = torch.tensor(values, dtype=torch.float64).to(device)
+        values = cbs_dist.all_reduce_sum(vec, dp_group).tolist()
+    return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks, replicas=not big_norm_is_sharded)
+
+
+def _own_seconds(collector: GradStatsCollector, measured: bool, started: float | None) -> float:
+    """Host seconds this rank spent measuring the window: its hooks and norms, and this reduction
+    (0 when the collector is not timed)."""
+    if started is None:
+        return 0.0
     return (collector.own_seconds if measured else 0.0) + (time.perf_counter() - started)
 
 
