@@ -289,6 +289,7 @@ def test_a_step_on_the_accelerator_path_reads_the_host_once(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
+    monkeypatch.setattr(GradStatsCollector, "read_each_on_cpu", False)
     weight, x, y, _ = _data(4)
     model = nn.Linear(D, 1, bias=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

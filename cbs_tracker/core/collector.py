@@ -33,6 +33,9 @@ _HOST_ZERO = torch.zeros((), dtype=torch.float32)
 BUCKET_FRACTION = 1 / 8
 #: Default bucket bound in bytes, whatever the model size.
 MAX_BUCKET_BYTES = 128 * 2**20
+#: Default bucket bound at least (a small model's gradients fit one bucket: one norm per backward,
+#: not one per eighth of it, for a few MiB held).
+MIN_BUCKET_BYTES = 8 * 2**20
 
 _NORM_DTYPE = {
     torch.float16: torch.float32,
@@ -185,14 +188,18 @@ class GradStatsCollector:
             method is applied per bucket); a ``None`` result marks the
             microbatch as unmeasurable (e.g. no optimizer state yet).
         register: register hooks on ``params`` now (FSDP2 adapters register later).
-        bucket_bytes: most bytes of gradients held at once (``None``: the smaller
-            of ``BUCKET_FRACTION`` of the hooked parameters' bytes and
+        bucket_bytes: most bytes of gradients held at once (``None``: ``BUCKET_FRACTION``
+            of the hooked parameters' bytes, kept between ``MIN_BUCKET_BYTES`` and
             ``MAX_BUCKET_BYTES``; ``0``: one norm per gradient, in its hook).
 
     Raises:
         TypeError: ``bucket_bytes`` is not an int.
         ValueError: ``bucket_bytes`` is negative.
     """
+
+    #: on a CPU, read each tensor size as it is (no copy to save); ``False`` reads them as an accelerator
+    #: does, in one copy (tests and the benchmark's operator count stand in for an accelerator so)
+    read_each_on_cpu = True
 
     def __init__(
         self,
@@ -311,7 +318,7 @@ class GradStatsCollector:
         """The most bytes of incoming gradients held at once before their norms are taken."""
         if self._fixed_bucket_bytes is not None:
             return self._fixed_bucket_bytes
-        return min(int(self._param_bytes * BUCKET_FRACTION), MAX_BUCKET_BYTES)
+        return min(max(int(self._param_bytes * BUCKET_FRACTION), MIN_BUCKET_BYTES), MAX_BUCKET_BYTES)
 
     @property
     def held_bytes(self) -> int:
@@ -577,23 +584,30 @@ class GradStatsCollector:
     def host_sizes(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
         """The window's microbatch sizes as host floats, and ``extra`` (0-d tensors) likewise.
 
-        Sizes given as tensors (and ``extra``) are read in one stack and one copy when they
-        share a device and dtype (the usual case: tokens counted from the labels), one read
-        each otherwise. What a window the cadence does not measure needs: its counts only.
+        Sizes given as tensors (and ``extra``) on an accelerator are read in one stack and one
+        copy (tokens counted from the labels); on the CPU each is read as it is. What a window the cadence does not measure needs: its counts only.
         """
         tensors = [v for v in self._micro_size if isinstance(v, torch.Tensor)] + list(extra)
         if not tensors:
             return [float(v) for v in self._micro_size], []  # type: ignore[arg-type]
-        first = tensors[0]
-        if len(tensors) == 1:
-            read = [first.item()]
-        elif all(t.dtype == first.dtype and t.device == first.device for t in tensors):
-            read = torch.stack(tensors).tolist()
+        if len(tensors) == 1 or (self.read_each_on_cpu and all(t.device.type == "cpu" for t in tensors)):
+            read = [t.item() for t in tensors]  # no copy to make: a read each is the cheapest
         else:
-            read = torch.stack([t.to(device="cpu", dtype=torch.float64) for t in tensors]).tolist()
+            read = _read_at_once(tensors)
         it = iter(read)
         sizes = [float(next(it)) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
         return sizes, [float(v) for v in it]
+
+    def pulled_window_sums(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
+        """:meth:`host_window_sums` wherever the numbers live, and ``extra`` (0-d or one-element tensors) read
+        with them: on an accelerator every norm, size and extra is copied to the host at once (one ``stack``
+        per kind of number, one copy), and the sums are host additions, instead of a dozen small launches."""
+        sizes = [v for v in self._micro_size if isinstance(v, torch.Tensor)]
+        read = _read_at_once(list(self._micro_sq) + sizes + list(extra))
+        k = len(self._micro_sq)
+        sq, it = read[:k], iter(read[k : k + len(sizes)])
+        size_values = [next(it) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
+        return _sums(sq, size_values), read[k + len(sizes):]
 
     def host_window_sums(self) -> list[float] | None:
         """:meth:`window_sums` as Python floats when every value already lives on the host.
@@ -602,7 +616,7 @@ class GradStatsCollector:
         costs less than the dozen small tensor operators of :meth:`window_sums`.
         Returns ``None`` when a norm or a size lives on an accelerator.
         """
-        total_sq = count = inv_sum = units = invalid = per_unit_sq = 0.0
+        sq_values, size_values = [], []
         for sq, size in zip(self._micro_sq, self._micro_size, strict=True):
             if sq.device.type != "cpu":
                 return None
@@ -611,16 +625,9 @@ class GradStatsCollector:
                     return None
                 size = size.item()
             b = float(size)
-            if not (math.isfinite(b) and b >= 0.0):
-                invalid += 1.0
-            elif b > 0.0:
-                v = sq.item()
-                total_sq += v
-                count += 1.0
-                inv_sum += 1.0 / b
-                units += b
-                per_unit_sq += v / (b * b)
-        return [total_sq, count, inv_sum, units, invalid, per_unit_sq]
+            size_values.append(b)
+            sq_values.append(sq.item() if math.isfinite(b) and b > 0.0 else 0.0)
+        return _sums(sq_values, size_values)
 
     def reset_window(self) -> None:
         self.own_seconds = 0.0
@@ -628,6 +635,42 @@ class GradStatsCollector:
         self._micro_size = []
         self.window_unmeasurable = False
         self.hooks_fired_outside = 0
+
+
+def _sums(sq: Sequence[float], sizes: Sequence[float]) -> list[float]:
+    """``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2]`` over the valid positive sizes."""
+    total_sq = count = inv_sum = units = invalid = per_unit_sq = 0.0
+    for v, b in zip(sq, sizes, strict=True):
+        if not (math.isfinite(b) and b >= 0.0):
+            invalid += 1.0
+        elif b > 0.0:
+            total_sq += v
+            count += 1.0
+            inv_sum += 1.0 / b
+            units += b
+            per_unit_sq += v / (b * b)
+    return [total_sq, count, inv_sum, units, invalid, per_unit_sq]
+
+
+def _read_at_once(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of one-element tensors as host floats, in order: per device one ``stack`` of the floating
+    ones and one of the integer ones, joined as float64 and copied to the host once."""
+    out: list[float] = [0.0] * len(tensors)
+    by_device: dict[torch.device, tuple[list[int], list[int]]] = {}
+    for i, t in enumerate(tensors):
+        fl, ints = by_device.setdefault(t.device, ([], []))
+        (fl if t.is_floating_point() else ints).append(i)
+    for fl, ints in by_device.values():
+        order, parts = [], []
+        for idx in (fl, ints):
+            if idx:
+                part = torch.stack([tensors[i] if tensors[i].dim() == 0 else tensors[i].reshape(()) for i in idx])
+                parts.append(part if part.dtype == torch.float64 else part.to(torch.float64))
+                order += idx
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        for i, v in zip(order, joined.tolist(), strict=True):  # one copy to the host
+            out[i] = v
+    return out
 
 
 def local_grad_sq_norm(

@@ -316,7 +316,7 @@ class TrackingSession:
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = float(self.optimizer.param_groups[0]["lr"])
         step_est = None if estimate is None else estimate.step
-        record = StepRecord(
+        record = StepRecord._of(
             step=self.step,
             tokens_seen=self.units_seen,
             unit=self.unit,
