@@ -81,10 +81,10 @@ class LoopTracker:
             ``budget_tokens`` (its plan grows the batch whatever the measured noise scale
             says), else ``False``.
         measure_every: measure one window in ``n`` (default 1: every window); the others
-            run with hooks that return at once and no norm pass, and still count for the
-            units, the counters and the LR schedule. ``"auto"``: the smallest ``n`` that
-            keeps the measurement at or below ``measure_target`` of the step time, from
-            timings of measured and unmeasured windows. The estimate's interval widens
+            run without the tracker's hooks on the parameters, take no norm and read no
+            clock, and still count for the units, the counters and the LR schedule.
+            ``"auto"``: the smallest ``n`` that keeps the tracker's share of the step time at
+            or below ``measure_target``, on the step clock (see :mod:`cbs_tracker.core.cadence`). The estimate's interval widens
             with fewer measured units; the controller decides on measured windows only.
         measure_target: the share of the step time ``"auto"`` allows (default 0.01).
         max_microbatch: grow the microbatch before the accumulation, up to this many

@@ -304,7 +304,10 @@ class TrackingSession:
         run = faults.microbatches_run or stats.num_microbatches
         self._advance(stats, run, window_accumulation)
         measured = stats.measured
-        estimate = self._estimate(stats, window_accumulation, estimate_allowed and measured)
+        if measured or (stats.finite and int(window_accumulation) * self.dp_degree < 2):
+            estimate = self._estimate(stats, window_accumulation, estimate_allowed and measured)
+        else:
+            estimate = None  # a window not measured feeds nothing to the estimator
         interval = getattr(self.estimator, "noise_scale_interval", None)
         low, high = interval if interval is not None else (None, None)
         if measured or getattr(self.controller, "every_window", False):
