@@ -403,9 +403,10 @@ class LoopTracker:
         return self.session.coupling
 
     # ------------------------------------------------------------------ the loop
-    @contextmanager
-    def microbatch(self, size: float | int | torch.Tensor | None = None, *, labels: torch.Tensor | None = None) -> Iterator[None]:
-        """Wrap one microbatch's forward and backward.
+    def microbatch(
+        self, size: float | int | torch.Tensor | None = None, *, labels: torch.Tensor | None = None
+    ) -> AbstractContextManager[None]:
+        """Wrap one microbatch's forward and backward (a context manager).
 
         Args:
             size: units in this microbatch (tokens or samples, per :attr:`unit`): a real
@@ -437,6 +438,12 @@ class LoopTracker:
         if self._window_index == 0 and not self._restarted:
             self._begin_window()
         self._restarted = False
+        if not self._measure and not timing and self.max_microbatch is None:
+            return _CountedMicrobatch(self, n)  # a window not measured: the counts only
+        return self._microbatch(n, timing, t0, name)
+
+    @contextmanager
+    def _microbatch(self, n: float | torch.Tensor, timing: bool, t0: float, name: str) -> Iterator[None]:
         self._step_norm = None
         last = self._window_index >= self._window_divisor - 1
         self._in_microbatch = True
@@ -729,6 +736,34 @@ class LoopTracker:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
         self.collector.remove()
         self.session.detach_scheduler()
+
+
+class _CountedMicrobatch:
+    """:meth:`LoopTracker.microbatch` in a window the cadence does not measure: no hook is on the
+    parameters, so the microbatch only counts (its gradient sync is switched as in any window)."""
+
+    __slots__ = ("_tracker", "_size", "_sync")
+
+    def __init__(self, tracker: LoopTracker, size: float | torch.Tensor) -> None:
+        self._tracker, self._size = tracker, size
+
+    def __enter__(self) -> None:
+        t = self._tracker
+        t._step_norm = None
+        last = t._window_index >= t._window_divisor - 1
+        t._in_microbatch = True
+        t.collector.begin_microbatch(measure=False)
+        self._sync = t._sync_context(last)
+        self._sync.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        t = self._tracker
+        try:
+            return self._sync.__exit__(*exc)
+        finally:
+            t.collector.end_microbatch(self._size)
+            t._in_microbatch = False
+            t._window_index += 1
 
 
 def microbatch_layout(level: int, max_group: int, dp_degree: int) -> int:
