@@ -13,7 +13,9 @@ kernels). The tracker's own host work in the measured window, timed directly, bo
 from below (a machine whose step times jitter can hide a small ``d``). The unmeasured window
 itself cannot be compared with an untracked step inside the run, so its cost ``u`` is
 bounded by the tracker's own host work in it, timed directly in the window before each
-measured one (the only unmeasured windows whose clock is read). Over a cycle of ``n``
+measured one (the only unmeasured windows whose clock is read; the plain loop times its
+``microbatch()`` entry and exit and its ``step()``, the other adapters only the step's
+bookkeeping, a lower bound there). Over a cycle of ``n``
 windows the tracker's share of the step time is ``d / n + u``; ``"auto"`` picks the smallest
 ``n`` that keeps it at or below ``target``, from the medians of the recent windows.
 Until it has :data:`_CALIBRATION` pairs it alternates measured and unmeasured windows.
