@@ -351,8 +351,8 @@ def main() -> int:
         cadence = tracker.session.cadence
         per = max(per, cadence.every)
         per = -(-per // cadence.every) * cadence.every
-        chosen = (f"; measuring adds {cadence.overhead:.2%} to a step, an unmeasured window's own work "
-                  f"{cadence.floor:.3%} (the cadence's step clock)" if cadence.overhead is not None else "")
+        chosen = (f"; the cadence read: measuring adds {cadence.overhead:.2%} to a step (step clock), an unmeasured "
+                  f"window's own work {cadence.floor:.3%} (timed directly)" if cadence.overhead is not None else "")
         print(f"measure_every={args.measure_every}: one window in {cadence.every} measured{chosen}; "
               f"{per} steps per round")
     variants = ["plain", "tracker", "norms_only"] + (["tracker_clip"] if args.tracker_clip else [])
