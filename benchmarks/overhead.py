@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import statistics
 import subprocess
@@ -428,7 +427,8 @@ def main() -> int:
     if args.json:
         extra_ratios = {"norms_only_ratio": round(floor, 4), "beyond_norms_ratio": round(ratio / floor, 4),
                         "tracker_fraction_timed": round(att["tracker_fraction"], 4),
-                        "unmeasured_fraction_timed": round(att.get("tracker_unmeasured_fraction", math.nan), 5),
+                        "unmeasured_fraction_timed": round(att["tracker_unmeasured_fraction"], 5)
+                        if "tracker_unmeasured_fraction" in att else None,
                         "unmeasured_fraction_step_clock": round(statistics.median(unmeasured) / med_plain - 1, 5)
                         if unmeasured else None,
                         "measured_beyond_norms_fraction_timed": round(
