@@ -143,10 +143,12 @@ def count_ops(model, optimizer, stream, args, tracker, *, device_path: bool = Fa
     if device_path:
         original = GradStatsCollector.host_window_sums
         GradStatsCollector.host_window_sums = lambda self: None
+        GradStatsCollector.read_each_on_cpu = False
         try:
             return count_ops(model, optimizer, stream, args, tracker)
         finally:
             GradStatsCollector.host_window_sums = original
+            GradStatsCollector.read_each_on_cpu = True
     counted = {}
     for variant in ("plain", "tracker"):
         use = tracker if variant == "tracker" else None
@@ -197,7 +199,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                 inside[0] += time.perf_counter() - t
         return wrapper
 
-    plain, norms, own = [], [], []
+    plain, norms, own, own_measured, own_unmeasured = [], [], [], [], []
 
     def norms_pass():
         _norm_pass(model.parameters())
@@ -238,6 +240,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                 continue
             if tracked:
                 own.append(outside + inside[0])
+                (own_measured if tracker.last_record.measured else own_unmeasured).append(outside + inside[0])
             else:
                 plain.append(total - floor)
                 norms.append(floor)
@@ -245,8 +248,13 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
         for name, fn in originals.items():
             setattr(GradStatsCollector, name, fn)
     step = statistics.median(plain)
-    return {"plain_step_s": step, "tracker_s": statistics.median(own), "norm_passes_s": statistics.median(norms),
-            "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step}
+    out = {"plain_step_s": step, "tracker_s": statistics.median(own), "norm_passes_s": statistics.median(norms),
+           "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step}
+    for name, values in (("measured", own_measured), ("unmeasured", own_unmeasured)):
+        if values:
+            out[f"tracker_{name}_s"] = statistics.median(values)
+            out[f"tracker_{name}_fraction"] = statistics.median(values) / step
+    return out
 
 
 def _timed(args, work) -> float:
@@ -322,7 +330,8 @@ def main() -> int:
     if not args.device.startswith("cuda"):
         dev = count_ops(model, optimizer, stream, args, tracker, device_path=True)
         ops["ops_added_per_step_device_path"] = dev["ops_added_per_step_total"]
-        print(f"  on an accelerator the window's sums stay tensors: {dev['ops_added_per_step_total']} per optimizer "
+        print(f"  on an accelerator (the window's numbers copied to the host at once): "
+              f"{dev['ops_added_per_step_total']} per optimizer "
               f"step (optimizer-step part: {dev['step_ops']})")
     if args.count_ops_only:
         if args.json:
@@ -341,12 +350,14 @@ def main() -> int:
         cadence = tracker.session.cadence
         per = max(per, cadence.every)
         per = -(-per // cadence.every) * cadence.every
-        chosen = f"; measured overhead {cadence.overhead:.2%} of a window" if cadence.overhead is not None else ""
+        chosen = (f"; the cadence read: measuring adds {cadence.overhead:.2%} to a step (step clock), an unmeasured "
+                  f"window's own work {cadence.floor:.3%} (timed directly)" if cadence.overhead is not None else "")
         print(f"measure_every={args.measure_every}: one window in {cadence.every} measured{chosen}; "
               f"{per} steps per round")
     variants = ["plain", "tracker", "norms_only"] + (["tracker_clip"] if args.tracker_clip else [])
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
+    unmeasured: list[float] = []  # the tracked steps whose window was not measured
     for r in range(args.rounds + 1):
         # rotate (and reverse every other round) the order inside a round, so drift favours no variant
         shift = r % len(variants)
@@ -364,6 +375,8 @@ def main() -> int:
                 if r > 0:  # round 0 warms every path up
                     times[variant].append(t)
                     cpu[variant] += cpu_t
+                    if variant == "tracker" and not tracker.last_record.measured:
+                        unmeasured.append(t)
             if tracked:
                 tracker.remove_hooks()
     paired = [statistics.fmean(times["tracker"][i:i + per]) / statistics.fmean(times["plain"][i:i + per])
@@ -384,10 +397,22 @@ def main() -> int:
         print(f"with tracker.clip_grad_norm_ (the step's norm reused, one pass fewer): ratio {ratios['tracker_clip']:.4f}")
     cpu_ratio = statistics.median(cpu["tracker"]) / statistics.median(cpu["plain"])
     print(f"process CPU time per step: ratio {cpu_ratio:.4f} (medians)")
+    if unmeasured:
+        print(f"unmeasured windows on the step clock: median {statistics.median(unmeasured) * 1e3:.2f} ms over "
+              f"{len(unmeasured)} steps, {statistics.median(unmeasured) / med_plain - 1:+.2%} of the plain step")
     att = attribute(model, optimizer, stream, args, tracker)
     print(f"timed directly ({args.attribution_steps} steps each): the tracker's own work {att['tracker_s'] * 1e6:.0f} us "
           f"per step = {att['tracker_fraction']:.2%} of the {att['plain_step_s'] * 1e3:.1f} ms plain step; "
           f"the K+1 norm passes alone {att['norm_passes_s'] * 1e6:.0f} us = {att['norm_passes_fraction']:.2%} (medians)")
+    if "tracker_unmeasured_s" in att:
+        print(f"  an unmeasured window's own cost (timed directly): {att['tracker_unmeasured_s'] * 1e6:.0f} us = "
+              f"{att['tracker_unmeasured_fraction']:.2%} of the plain step")
+    if "tracker_measured_s" in att:
+        rest = att["tracker_measured_s"] - att["norm_passes_s"]
+        print(f"  a measured window: the tracker's own work {att['tracker_measured_s'] * 1e6:.0f} us = the K+1 norm "
+              f"passes {att['norm_passes_s'] * 1e6:.0f} us ({att['norm_passes_fraction']:.2%}) + everything else "
+              f"{rest * 1e6:.0f} us ({rest / att['plain_step_s']:.2%} of the plain step); on the step clock the "
+              f"tracker beyond the norm passes: {ratio / floor - 1:+.2%}")
 
     peaks = {}
     for variant in ("plain", "tracker"):
@@ -402,6 +427,13 @@ def main() -> int:
     if args.json:
         extra_ratios = {"norms_only_ratio": round(floor, 4), "beyond_norms_ratio": round(ratio / floor, 4),
                         "tracker_fraction_timed": round(att["tracker_fraction"], 4),
+                        "unmeasured_fraction_timed": round(att["tracker_unmeasured_fraction"], 5)
+                        if "tracker_unmeasured_fraction" in att else None,
+                        "unmeasured_fraction_step_clock": round(statistics.median(unmeasured) / med_plain - 1, 5)
+                        if unmeasured else None,
+                        "measured_beyond_norms_fraction_timed": round(
+                            (att["tracker_measured_s"] - att["norm_passes_s"]) / att["plain_step_s"], 5)
+                        if "tracker_measured_s" in att else None,
                         "norm_passes_fraction_timed": round(att["norm_passes_fraction"], 4)}
         if args.tracker_clip:
             extra_ratios["tracker_clip_ratio"] = round(ratios["tracker_clip"], 4)

@@ -139,6 +139,8 @@ class FSDPTracker(LoopTracker):
         pass
 
     def _hook_unsharded(self, module: nn.Module, args: Any) -> None:
+        if not self._measure:  # a window not measured needs no hook (the next measured forward hooks them)
+            return
         for p in module.parameters():
             if p.requires_grad and id(p) not in self._sharded_ids:
                 self.collector.hook(p)  # once per object

@@ -360,6 +360,7 @@ class CBSCallback(Callback):
         if not self._params:
             raise ValueError("CBSCallback: the LightningModule has no parameter with requires_grad=True")
         self.collector = GradStatsCollector(self._params, transform=self._transform)
+        self.collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
         # one device, no wrapper: a backward never syncs, so a window's first gradients can be read from .grad
         self._unsynced = isinstance(trainer.strategy, SingleDeviceStrategy)
         self._apply_restored(trainer)

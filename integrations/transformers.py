@@ -446,6 +446,7 @@ class CBSTrainer(Trainer):
         if self._collector is not None:
             self._collector.remove()
         self._collector = GradStatsCollector(self._params, transform=transform)
+        self._collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
         # one process (FSDP and DeepSpeed are refused): a backward never syncs, so a window's
         # first gradients are read from .grad
         self._unsynced = cbs_dist.group_size(dp_group) == 1

@@ -85,7 +85,7 @@ def make_estimator() -> NoiseScaleEstimator:
 def record_dict(rec: Any) -> dict[str, Any]:
     keys = (
         "step", "global_batch", "accumulation_steps", "next_accumulation_steps", "dp_degree",
-        "noise_scale", "grad_sq_norm", "trace_cov", "critical_batch", "dropped", "lr",
+        "noise_scale", "grad_sq_norm", "trace_cov", "critical_batch", "dropped", "lr", "measured",
     )
     return {k: getattr(rec, k) for k in keys}
 
@@ -169,6 +169,7 @@ def train(
 def reference_run(
     *, steps: int, dp_size: int, nan_at: tuple[int, int] | None = None, available: Any = None,
     start_accumulation: int = START_ACCUMULATION, clip: float | None = None, schedule: bool = False,
+    measure_every: int = 1,
 ) -> dict[str, Any]:
     """One process, no ``torch.distributed``: the microbatches of all DP ranks in one window.
 
@@ -179,7 +180,7 @@ def reference_run(
     tracker = CBSTracker(
         model, opt, accumulation_steps=start_accumulation * dp_size, unit="samples",
         estimator=make_estimator(), controller=make_schedule() if schedule else make_controller(),
-        lr_scheduler=scheduler,
+        lr_scheduler=scheduler, measure_every=measure_every,
     )
     clip_norms: list[float] = []
     records = train(
@@ -320,7 +321,8 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
     common = {"unit": "samples", "estimator": make_estimator(), "controller": make_controller()}
     acc = START_ACCUMULATION
     payload: dict[str, Any] = {}
-    if name in ("ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_one_microbatch", "ddp_device_path"):
+    if name in ("ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_one_microbatch", "ddp_device_path",
+                "ddp_cadence"):
         kw = {"gradient_as_bucket_view": True, "static_graph": True} if name == "ddp_static_bucket_view" else {}
         if name == "ddp_one_microbatch":
             acc = 1  # the first microbatch is also the last: its backward syncs, .grad is not local
@@ -329,7 +331,8 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
         log = CollectiveLog()
         model.register_comm_hook(dist.group.WORLD, log.ddp_hook())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        tracker = CBSTracker(model, opt, accumulation_steps=acc, **common)
+        every = {"measure_every": 3} if name == "ddp_cadence" else {}  # unmeasured windows: hooks off, counts only
+        tracker = CBSTracker(model, opt, accumulation_steps=acc, **common, **every)
         nan_at = (3, 1) if name == "ddp_nonfinite" else None
         clip = ONE_MICROBATCH_CLIP if name == "ddp_one_microbatch" else None
         payload["clip_norms"] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -115,23 +116,29 @@ def test_the_controller_decides_on_measured_windows_only():
 
 
 class FakeClock:
-    """A clock the test advances: each microbatch costs 1 s per sample, and measuring it ``extra`` more."""
+    """A clock the test advances: each microbatch costs 1 s per sample, and measuring it ``hidden`` more
+    (work no host timer of the tracker sees, e.g. autograd calling its hooks)."""
 
-    def __init__(self, extra: float) -> None:
-        self.now, self.extra = 0.0, extra
+    def __init__(self, hidden: float = 0.0) -> None:
+        self.now, self.hidden = 0.0, hidden
 
     def __call__(self) -> float:
         return self.now
 
     def work(self, tracker) -> None:
-        self.now += MICRO
+        self.now += MICRO * (1.0 + (self.hidden if tracker._measure else 0.0))
 
 
-@pytest.mark.parametrize("extra, want", [(0.06, 7), (0.004, 1), (5.0, MAX_EVERY)])
-def test_auto_picks_the_smallest_cadence_within_the_target(monkeypatch, extra, want):
-    """K + 1 norm passes of ``extra`` s per sample each in a window of K microbatches of 1 s per sample:
-    the tracker's share is (K + 1) extra / (K + (K + 1) extra) (6.98% at 0.06: one window in 7 keeps 1%)."""
-    clock = FakeClock(extra)
+@pytest.mark.parametrize("extra, hidden, want", [
+    (0.06, 0.0, 8), (0.004, 0.0, 1), (5.0, 0.0, MAX_EVERY),
+    # the same cost outside the tracker's timers: only the step clock sees it
+    (0.0, 0.075, 8), (0.03, 0.0375, 8),
+])
+def test_auto_picks_the_smallest_cadence_within_the_target(monkeypatch, extra, hidden, want):
+    """K + 1 norm passes of ``extra`` s per sample each (timed by the tracker) and ``hidden`` s per sample
+    and microbatch (not timed) in a window of K microbatches of 1 s per sample: measuring adds
+    d = ((K + 1) extra + K hidden) / K to an unmeasured step (7.5% at 0.06: one window in 8 keeps 1%)."""
+    clock = FakeClock(hidden)
     monkeypatch.setattr(session_module.time, "perf_counter", clock)
     real_total = collector_module._sq_total
 
@@ -145,10 +152,104 @@ def test_auto_picks_the_smallest_cadence_within_the_target(monkeypatch, extra, w
     late = records[100:]
     share = sum(r.measured for r in late) / len(late)
     assert share == pytest.approx(1 / want, abs=0.02)
-    # the share the cadence measured is the clock's (the target is 1%)
-    share_want = (ACC + 1) * extra / (ACC + (ACC + 1) * extra)
-    assert tracker.session.cadence.overhead == pytest.approx(share_want, rel=1e-6)
-    assert want == min(MAX_EVERY, math.ceil(share_want / 0.01))
+    # what the cadence measured is the step clock's
+    d_want = ((ACC + 1) * extra + ACC * hidden) / ACC
+    assert tracker.session.cadence.overhead == pytest.approx(d_want, rel=1e-6)
+    assert tracker.session.cadence.floor == 0.0  # the unmeasured windows' tracker work took no clock time
+    assert want == min(MAX_EVERY, math.ceil(d_want / 0.01 - 1e-9))
+
+
+def test_auto_counts_the_unmeasured_windows_own_work(monkeypatch):
+    """The tracker's work in an unmeasured window (here its step's reduction, 0.4% of the step) is timed in
+    the window before a measured one and charged to every unmeasured window: d / n + u <= 1%."""
+    clock = FakeClock()
+    monkeypatch.setattr(session_module.time, "perf_counter", clock)
+    from cbs_tracker.core import measure as measure_module
+
+    real_counts = measure_module._reduce_counts
+
+    def counts(*a, **k):
+        clock.now += 0.004 * ACC * MICRO
+        return real_counts(*a, **k)
+
+    monkeypatch.setattr(measure_module, "_reduce_counts", counts)
+    real_total = collector_module._sq_total
+
+    def sq_total(groups):
+        clock.now += MICRO * 0.03
+        return real_total(groups)
+
+    monkeypatch.setattr(collector_module, "_sq_total", sq_total)
+    tracker, _ = _run(200, clock=clock, measure_every="auto")
+    cadence = tracker.session.cadence
+    u = 0.004 * ACC / (ACC + 0.004 * ACC)  # its share of an unmeasured window's time
+    assert cadence.floor == pytest.approx(u, rel=1e-6)
+    d = (ACC + 1) * 0.03 / (ACC + 0.004 * ACC)
+    assert cadence.overhead == pytest.approx(d, rel=1e-6)
+    assert cadence.every == math.ceil(d / (0.01 - u))  # 13, where u = 0 would give 7
+
+
+def test_no_clock_is_read_in_an_unmeasured_window(monkeypatch):
+    """An integer cadence reads no clock at all; "auto" only in a measured window and the two before it
+    (the start and the end of the measured window and of the unmeasured one it is compared with)."""
+    import time as time_module
+
+    real = time_module.perf_counter
+    reads = [0]
+
+    def counting():
+        reads[0] += 1
+        return real()
+
+    monkeypatch.setattr(time_module, "perf_counter", counting)
+    for every in (4, "auto"):
+        weight, x, y, _ = _data(120)
+        model = nn.Linear(D, 1, bias=False)
+        tracker = CBSTracker(model, accumulation_steps=ACC, unit="samples", measure_every=every)
+        per_window, measured = [], []
+        for s in range(120):
+            reads[0] = 0
+            for k in range(ACC):
+                i = (s * ACC + k) * MICRO
+                with tracker.microbatch(size=MICRO):
+                    (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
+            measured.append(tracker.step().measured)
+            model.zero_grad(set_to_none=True)
+            per_window.append(reads[0])
+        if every == 4:
+            assert sum(per_window) == 0
+            continue
+        assert tracker.session.cadence.every > 2  # (the clock of this tiny model: the norms dominate)
+        for s in range(40, 120):
+            near = any(measured[s:s + 3])
+            assert (per_window[s] > 0) == near, (s, per_window[s - 3:s + 3], measured[s - 3:s + 3])
+
+
+def test_cadence_alone_alternates_until_it_has_timed_enough():
+    c = MeasureCadence("auto", 0.01)
+    pattern = []
+    for _ in range(40):
+        m = c.measure_next()
+        pattern.append(m)
+        c.agree(c.proposal())
+        c.window_done(m, 1.025 if m else 1.0, 0.01 if m else 0.0)
+    assert pattern[:3] == [True] * 3  # 3 warm-up windows untimed
+    assert pattern[3:19] == [False, True] * 8  # 8 measured windows, each after an unmeasured one
+    # d = 2.5% on the step clock (the host timer saw 1%): one window in 3 keeps 1%
+    assert c.every == 3 and pattern[20:27] == [False, False, True, False, False, True, False]
+
+
+@pytest.mark.parametrize("floor, want", [(0.0, 7), (0.005, 14), (0.01, MAX_EVERY)])
+def test_auto_counts_what_the_windows_not_measured_cost(floor, want):
+    """Mean share d / n + u <= 1%: d = 6.98% added by measuring, u the tracker's work in the others."""
+    c = MeasureCadence("auto", 0.01)
+    for _ in range(60):
+        m = c.measure_next()
+        c.agree(c.proposal())
+        c.window_done(m, 1.0698 if m else 1.0, 0.0698 if m else floor)
+    assert c.every == want
+    if want < MAX_EVERY:
+        assert 0.0698 / want + floor <= 0.01 < 0.0698 / (want - 1) + floor
 
 
 def test_cadence_state_round_trips():
@@ -188,6 +289,7 @@ def test_a_step_on_the_accelerator_path_reads_the_host_once(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
+    monkeypatch.setattr(GradStatsCollector, "read_each_on_cpu", False)
     weight, x, y, _ = _data(4)
     model = nn.Linear(D, 1, bias=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -213,26 +315,92 @@ def test_a_step_on_the_accelerator_path_reads_the_host_once(monkeypatch):
     assert math.isfinite(tracker.noise_scale or 0.0)
 
 
-def test_cadence_alone_measures_every_window_until_it_has_timed_enough():
-    c = MeasureCadence("auto", 0.01)
-    pattern = []
-    for _ in range(40):
-        m = c.measure_next()
-        pattern.append(m)
-        c.agree(c.proposal())
-        c.window_done(m, 0.025 if m else None)
-    assert pattern[:11] == [True] * 11  # 3 warm-up windows untimed, then 8 timed
-    assert c.every == 3 and pattern[11:18] == [True, False, False, True, False, False, True]
+def _two_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, 1))
 
 
-@pytest.mark.parametrize("floor, want", [(0.0, 7), (0.005, 13), (0.01, MAX_EVERY)])
-def test_auto_counts_what_the_windows_not_measured_cost(floor, want):
-    """Mean share (m + (n - 1) u) / n <= 1%: m = 6.98% measured, u the bookkeeping of the others."""
-    c = MeasureCadence("auto", 0.01)
-    for _ in range(40):
-        m = c.measure_next()
-        c.agree(c.proposal())
-        c.window_done(m, 0.0698 if m else floor)
-    assert c.every == want
-    if want < MAX_EVERY:
-        assert (0.0698 + (want - 1) * floor) / want <= 0.01 < (0.0698 + (want - 2) * floor) / (want - 1)
+def _loop(model, tracker, steps, *, each_step=None):
+    """Runs ``steps`` windows of ACC microbatches; returns per window (measured, the .grad before zeroing)."""
+    weight, x, y, _ = _data(steps)
+    out = []
+    for s in range(steps):
+        if each_step is not None:
+            each_step(s)
+        for k in range(ACC):
+            i = (s * ACC + k) * MICRO
+            ctx = tracker.microbatch(size=MICRO) if tracker is not None else nullcontext()
+            with ctx:
+                (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
+        measured = tracker.step().measured if tracker is not None else None
+        out.append((measured, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_an_unmeasured_window_calls_no_hook(monkeypatch):
+    """Autograd calls none of the tracker's hooks in a window the cadence lets pass (counted calls)."""
+    calls = [0]
+    real = GradStatsCollector._make_hook
+
+    def make_hook(self, param):
+        fn = real(self, param)
+
+        def counted(grad):
+            calls[0] += 1
+            return fn(grad)
+
+        return counted
+
+    monkeypatch.setattr(GradStatsCollector, "_make_hook", make_hook)
+    model = _two_layers()
+    tracker = CBSTracker(model, accumulation_steps=ACC, unit="samples", measure_every=4)
+    per_window = []
+
+    def mark(s):
+        per_window.append(calls[0])
+
+    runs = _loop(model, tracker, 12, each_step=mark)
+    per_window = [b - a for a, b in zip(per_window, per_window[1:] + [calls[0]])]
+    assert [m for m, _ in runs] == [s % 4 == 0 for s in range(12)]
+    assert per_window == [4 * ACC if s % 4 == 0 else 0 for s in range(12)]  # 4 parameters
+    assert tracker.collector.hooks_attached == 0  # the last window was not measured
+    tracker.remove_hooks()
+    assert all(p._backward_hooks is None for p in model.parameters())  # nothing left for autograd to call
+
+
+def test_hooks_of_others_keep_working_while_the_trackers_are_off():
+    """A parameter with the user's own hook keeps it (and ours) through unmeasured windows; a hook the user
+    registers between two measured windows works at once and after; the gradients are the untracked run's."""
+    def run(with_tracker):
+        model = _two_layers()
+        seen = {"scale": 0, "late": 0}
+        first, last = list(model.parameters())[0], list(model.parameters())[-1]
+
+        def scale(g):
+            seen["scale"] += 1
+            return 2.0 * g
+
+        first.register_hook(scale)
+        tracker = CBSTracker(model, accumulation_steps=ACC, unit="samples", measure_every=3) if with_tracker else None
+
+        def late_hook(s):
+            if s == 5:  # after an unmeasured window: the tracker's dict is off the parameter
+                def late(g):
+                    seen["late"] += 1
+                    return g + 1.0
+                last.register_hook(late)
+
+        runs = _loop(model, tracker, 9, each_step=late_hook)
+        if tracker is not None:
+            tracker.remove_hooks()
+        return runs, seen
+
+    tracked, seen_tracked = run(True)
+    plain, seen_plain = run(False)
+    assert seen_tracked == seen_plain == {"scale": 9 * ACC, "late": 4 * ACC}
+    for (_, a), (_, b) in zip(tracked, plain, strict=True):
+        for ga, gb in zip(a, b, strict=True):
+            torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+    # the tracker still measured after the user's late hook (its norms see the gradient as autograd makes it)
+    assert [m for m, _ in tracked] == [s % 3 == 0 for s in range(9)]

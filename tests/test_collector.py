@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner, local_grad_sq_norm
+from cbs_tracker.core.collector import (
+    MIN_BUCKET_BYTES,
+    GradStatsCollector,
+    adam_preconditioner,
+    local_grad_sq_norm,
+)
 from cbs_tracker.demo.gpt import GPT, GPTConfig
 from tests import collector_workers as cw
 from tests.spawning import spawn
@@ -222,6 +227,8 @@ def test_host_window_sums_equal_the_device_form():
     collector = _window_with_every_kind_of_size()
     host = collector.host_window_sums()
     assert host == pytest.approx(collector.window_sums(torch.device("cpu")).tolist(), rel=1e-15)
+    pulled, extra = collector.pulled_window_sums([torch.tensor(2.5), torch.tensor([7], dtype=torch.int64)])
+    assert pulled == host and extra == [2.5, 7.0]  # the accelerator's one copy gives the same numbers
     per_unit = 2 / 4**2 + 7 / 8**2 + 19 / 2**2
     assert host == pytest.approx([28.0, 3, 1 / 4 + 1 / 8 + 1 / 2, 14.0, 3, per_unit], rel=1e-15)
 
@@ -240,7 +247,9 @@ def test_held_bytes_stay_within_the_bucket_bound():
     assert max(seen) > 0
     assert collector.held_bytes == 0
     auto = GradStatsCollector(model.parameters())
-    assert auto.bucket_bytes == int(_grad_bytes(model) / 8)
+    assert _grad_bytes(model) / 8 < MIN_BUCKET_BYTES and auto.bucket_bytes == MIN_BUCKET_BYTES  # a small model
+    big = [torch.nn.Parameter(torch.zeros(2**22)) for _ in range(5)]  # 80 MiB: an eighth is above the floor
+    assert GradStatsCollector(big).bucket_bytes == 5 * 2**24 // 8
 
 
 def test_adam_preconditioner_fused_and_per_parameter_agree_with_the_formula():
@@ -436,3 +445,39 @@ def test_a_loss_scale_decayed_to_zero_drops_the_step_on_both_paths(path, monkeyp
     assert not stats.finite and faults.microbatches_run == 2
     stats, _ = reduce_window(collector, [], dp_group=None, loss_divisor=2.0, avg_ranks=1, scale=torch.tensor(4.0))
     assert stats.finite and stats.small_sq_norm == pytest.approx((3.0 + 5.0) / 2 * 2.0**2 / 4.0**2, rel=1e-12)
+
+
+@pytest.mark.parametrize("normalization, divisor", [("mean", None), ("window", None), ("window", 30.0),
+                                                    ("window", "tensor"), ("group", None)])
+@pytest.mark.parametrize("tensor_sizes", [False, True])
+def test_an_unmeasured_windows_counts_are_the_measured_reductions(normalization, divisor, tensor_sizes):
+    """The counts-only reduction of a window the cadence lets pass gives the counts the full reduction
+    gives for the same microbatches (sizes 0 left out; numbers or tensors; every normalisation)."""
+    from cbs_tracker.core.measure import reduce_window
+
+    param = torch.nn.Parameter(torch.ones(3))
+    sizes = [4.0, 0.0, 8.0, 2.0]
+
+    def window(measure: bool) -> GradStatsCollector:
+        c = GradStatsCollector([param])
+        for i, b in enumerate(sizes):
+            c.begin_microbatch(measure=measure)
+            (param * float(i + 1)).sum().backward()
+            c.end_microbatch(torch.tensor(int(b)) if tensor_sizes else b)
+        param.grad = None
+        return c
+
+    units_divisor = torch.tensor(30.0) if divisor == "tensor" else divisor
+    out = {}
+    for measure in (True, False):
+        collector = window(measure)
+        param.grad = torch.ones(3)
+        out[measure] = reduce_window(collector, [param], dp_group=None, loss_divisor=2.0, avg_ranks=1,
+                                     expected_microbatches=3, normalization=normalization,
+                                     units_divisor=units_divisor, measured=measure, proposed_every=5.0)
+    (full, full_faults), (counts, faults) = out[True], out[False]
+    assert counts.measured is False and full.measured is True
+    for name in ("num_microbatches", "small_batch", "big_batch", "units", "finite", "proposed_every"):
+        assert getattr(counts, name) == pytest.approx(getattr(full, name), rel=1e-12), name
+    assert faults == full_faults
+    assert counts.num_microbatches == 3 and counts.units == 14.0 and faults.mismatched_ranks == 1

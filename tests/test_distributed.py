@@ -45,7 +45,8 @@ pytestmark = pytest.mark.skipif(
 STEPS = 10
 RTOL = 1e-9  # see the module docstring
 TWO_RANK = [
-    "ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "ddp_device_path", "fsdp_last", "fsdp_every", "ddp_nonfinite", "fsdp_nonfinite",
+    "ddp", "ddp_static_bucket_view", "ddp_one_microbatch", "ddp_device_path", "ddp_cadence", "fsdp_last", "fsdp_every",
+    "ddp_nonfinite", "fsdp_nonfinite",
     "fsdp_bf16", "manual_ranout", "errors_2", "ddp_schedule", "fsdp_schedule",
 ]
 FOUR_RANK = ["mesh_ddp_dp_tp", "mesh_fsdp_dp_tp", "mesh_hsdp", "errors_4"]
@@ -167,7 +168,17 @@ def _readme_tracker_collective_bytes() -> int:
     return int(m.group(1))
 
 
-@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_device_path"])
+def test_ddp_measuring_one_window_in_three_matches_one_process_measuring_the_same_windows(two_ranks):
+    """The windows the cadence lets pass (no hooks on the parameters, counts only) still sync once and count;
+    the measured ones give the estimates of one process measuring the same windows."""
+    ref = dw.reference_run(steps=STEPS, dp_size=2, measure_every=3)
+    assert [r["measured"] for r in ref["records"]] == [s % 3 == 0 for s in range(STEPS)]
+    assert_same_run(two_ranks["ddp_cadence"], ref, 2)
+    for rank in two_ranks["ddp_cadence"]:
+        assert [r["measured"] for r in rank["records"]] == [s % 3 == 0 for s in range(STEPS)]
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp_static_bucket_view", "ddp_nonfinite", "ddp_device_path", "ddp_cadence"])
 def test_ddp_syncs_each_bucket_once_per_step_and_the_tracker_adds_one_all_reduce(two_ranks, name):
     """A comm hook sees every gradient sync; the wrapped ``torch.distributed`` sees the rest.
 

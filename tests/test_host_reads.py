@@ -49,6 +49,7 @@ def test_lightning_step_reads_the_host_once(monkeypatch, tmp_path):
     from tests.lightning_workers import Regression, regression_data
 
     monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
+    monkeypatch.setattr(GradStatsCollector, "read_each_on_cpu", False)
     per_step: list[list[str]] = []
     _counting(monkeypatch, CBSCallback, "on_before_optimizer_step", per_step)
     cbs = CBSCallback(controller=None, batch_size_fn=lambda b: (b[1] == b[1]).sum(), unit="tokens",
@@ -68,6 +69,7 @@ def test_hf_trainer_step_reads_the_host_once(monkeypatch):
     from tests.hf_workers import training_args
 
     monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
+    monkeypatch.setattr(GradStatsCollector, "read_each_on_cpu", False)
     per_step: list[list[str]] = []
     _counting(monkeypatch, CBSTrainer, "_finish_window", per_step)
     w_star, delta = setting()

@@ -1,17 +1,27 @@
-"""Which windows are measured: every ``n``-th one, with ``n`` fixed or chosen from the measured cost.
+"""Which windows are measured: every ``n``-th one, with ``n`` fixed or chosen on the step clock.
 
 Measuring a window costs ``K + 1`` norm passes and the hooks' work; on a small,
 launch-bound model that is several percent of a step however cheap each pass is. With
-``measure_every=n`` one window in ``n`` is measured (the others run with hooks that return
-at once and no norm pass); ``"auto"`` times the tracker's own work in each window (hooks,
-norm passes, the reduction, its bookkeeping; host time, which on an accelerator includes
-the kernel launches but not the kernels) against the window's wall time, and picks the
-smallest ``n`` whose mean share ``(m + (n - 1) u) / n`` stays at or below ``target``, ``m``
-and ``u`` the median shares of measured and unmeasured windows.
-Timing the tracker's own work directly, rather than comparing measured with unmeasured
-windows, keeps the choice stable on a machine whose step times wander by several
-percent. Every rank proposes its ``n`` in the step's reduction and all adopt the
-rounded-up mean, so the ranks always agree on which window is measured.
+``measure_every=n`` one window in ``n`` is measured; the others run without the tracker's
+hooks on the parameters, take no norm and read no clock (they only count microbatches
+and units). ``"auto"`` judges by the step clock, the wall time from one optimizer step's
+reduction to the next (on an accelerator it follows the device, the reduction being a host
+sync): it compares each measured window with the unmeasured window just before it, so that
+the machine's drift cancels, and gets ``d``, what measuring adds to a step, including what
+no host timer sees (the hooks' calls into Python, caches the norm passes evict, the
+kernels). The tracker's own host work in the measured window, timed directly, bounds ``d``
+from below (a machine whose step times jitter can hide a small ``d``). The unmeasured window
+itself cannot be compared with an untracked step inside the run, so its cost ``u`` is
+bounded by the tracker's own host work in it, timed directly in the window before each
+measured one (the only unmeasured windows whose clock is read; the plain loop times its
+``microbatch()`` entry and exit and its ``step()``, the other adapters only the step's
+bookkeeping, a lower bound there). Over a cycle of ``n``
+windows the tracker's share of the step time is ``d / n + u``; ``"auto"`` picks the smallest
+``n`` that keeps it at or below ``target``, from the medians of the recent windows.
+Until it has :data:`_CALIBRATION` pairs it alternates measured and unmeasured windows.
+Every rank proposes its ``n`` in the step's reduction and all adopt the rounded-up mean,
+and which windows are measured depends only on counters the ranks share, so the ranks
+always agree on which window is measured.
 """
 
 from __future__ import annotations
@@ -27,9 +37,9 @@ __all__ = ["MeasureCadence", "check_measure_every"]
 MAX_EVERY = 64
 #: windows at the start not timed (first calls allocate, compile and warm caches)
 _WARMUP = 3
-#: measured windows timed before ``"auto"`` chooses (every window is measured until then)
+#: measured windows paired with an unmeasured one before ``"auto"`` chooses (it alternates until then)
 _CALIBRATION = 8
-#: recent measured windows whose median share is used
+#: recent windows whose median is used
 _MEMORY = 16
 
 
@@ -46,7 +56,7 @@ class MeasureCadence:
 
     Args:
         measure_every: ``n >= 1`` (measure one window in ``n``) or ``"auto"``.
-        target: with ``"auto"``, the largest share of the step time the measurement may take.
+        target: with ``"auto"``, the largest share of the step time the tracker may take.
     """
 
     def __init__(self, measure_every: int | str = 1, target: float = 0.01, *, owner: str = "CBSTracker") -> None:
@@ -56,42 +66,94 @@ class MeasureCadence:
         self.every = 1 if self.auto else int(measure_every)
         self._since = 0  # windows since the last measured one
         self._windows = 0
-        self._shares: deque[float] = deque(maxlen=_MEMORY)  # measured windows
-        self._plain: deque[float] = deque(maxlen=_MEMORY)  # windows not measured
-        #: the median share of a measured window's time that was the tracker's own work
+        self._paired = 0  # measured windows that followed an unmeasured one, after the warm-up
+        self._last_measured = True
+        self._ref: tuple[float, float | None] | None = None  # the last window: (seconds, own seconds), if timed
+        self._pairs: deque[float] = deque(maxlen=_MEMORY)  # d: measured over the unmeasured window before, - 1
+        self._direct: deque[float] = deque(maxlen=_MEMORY)  # the tracker's own host work in a measured window
+        self._plain: deque[float] = deque(maxlen=_MEMORY)  # u: its own host work in an unmeasured window
+        self._proposal: float | None = None
+        #: ``d``: what measuring a window adds to its step, as a share of an unmeasured step
         self.overhead: float | None = None
-        #: the same for the windows not measured (counts, bookkeeping)
+        #: ``u``: the share of an unmeasured window that is the tracker's own work
         self.floor: float | None = None
+
+    def _calibrating(self) -> bool:
+        return self.auto and self._paired < _CALIBRATION
+
+    def _measured_at(self, ahead: int) -> bool:
+        """Whether the window ``ahead`` windows after the next one is measured, as things stand."""
+        if self._windows + ahead == 0:
+            return True  # the run's first window is always measured
+        if self._calibrating():  # the warm-up measured, then unmeasured and measured windows in turn
+            w = self._windows + ahead
+            return w < _WARMUP or (w - _WARMUP) % 2 == 1
+        return self._since + 1 + ahead >= self.every
 
     def measure_next(self) -> bool:
         """Whether the window about to start is measured (the same answer on every rank)."""
-        if self._windows == 0:
-            return True  # the run's first window is always measured
-        return self._since + 1 >= self.every
+        return self._measured_at(0)
 
-    def window_done(self, measured: bool, own_share: float | None) -> None:
-        """Count a finished window; ``own_share``: the tracker's share of a measured window's time."""
+    def times_next(self) -> bool:
+        """``"auto"``: whether the tracker's own work in the (unmeasured) window about to start is timed:
+        it is the window before a measured one."""
+        return self.auto and not self._measured_at(0) and self._measured_at(1)
+
+    def clock_due(self) -> bool:
+        """``"auto"``: whether the step clock is read when the window about to start ends: it, or one of
+        the two after it, is measured (a measured window and its unmeasured predecessor need their
+        start and end). With an integer cadence the clock is never read."""
+        return self.auto and (self._measured_at(0) or self._measured_at(1) or self._measured_at(2))
+
+    def window_done(self, measured: bool, seconds: float | None = None, own_seconds: float | None = None) -> None:
+        """Count a finished window.
+
+        Args:
+            measured: whether it was measured.
+            seconds: its length on the step clock (``None``: not read).
+            own_seconds: the tracker's own host work in it, timed directly (``None``: not timed).
+        """
+        warm = self._windows >= _WARMUP
         self._windows += 1
+        ref, self._ref = self._ref, None
+        if self.auto and warm and measured and not self._last_measured:
+            self._paired += 1
         self._since = 0 if measured else self._since + 1
-        if self.auto and own_share is not None and self._windows > _WARMUP:
-            if math.isfinite(own_share) and own_share >= 0:
-                (self._shares if measured else self._plain).append(own_share)
+        self._last_measured = measured
+        if not self.auto or not warm or seconds is None or not (math.isfinite(seconds) and seconds > 0):
+            return
+        own = own_seconds if own_seconds is not None and math.isfinite(own_seconds) and own_seconds >= 0 else None
+        if measured:
+            if ref is not None:
+                self._pairs.append(seconds / ref[0] - 1.0)
+            if own is not None:
+                base = ref[0] if ref is not None else max(seconds - own, 1e-12)
+                self._direct.append(own / base)
+        else:
+            self._ref = (seconds, own)
+            if own is not None:
+                self._plain.append(own / seconds)
+        self._proposal = None
 
     def proposal(self) -> float:
         """This rank's ``n`` for the windows ahead (``"auto"``: from its timings)."""
-        if not self.auto or len(self._shares) < _CALIBRATION:
+        if not self.auto or self._calibrating():
             return float(self.every)
-        self.overhead = m = statistics.median(self._shares)
-        self.floor = u = statistics.median(self._plain) if self._plain else 0.0
-        if m <= self.target:
-            return 1.0
-        if u >= self.target:
-            return float(MAX_EVERY)  # the windows not measured alone cost the target: measure as rarely as allowed
-        return float(min(MAX_EVERY, max(1, math.ceil((m - u) / (self.target - u) - 1e-6))))
+        if self._proposal is None:
+            pairs = statistics.median(self._pairs) if self._pairs else 0.0
+            direct = statistics.median(self._direct) if self._direct else 0.0
+            self.overhead = d = max(pairs, direct, 0.0)
+            self.floor = u = statistics.median(self._plain) if self._plain else 0.0
+            if u >= self.target:
+                # the windows not measured alone cost the target: measure as rarely as allowed
+                self._proposal = float(MAX_EVERY)
+            else:
+                self._proposal = float(min(MAX_EVERY, max(1, math.ceil(d / (self.target - u) - 1e-6))))
+        return self._proposal
 
     def agree(self, mean_proposal: float) -> None:
         """Adopt the ranks' mean proposal, rounded up (identical on every rank)."""
-        if self.auto and math.isfinite(mean_proposal) and mean_proposal >= 1:
+        if self.auto and not self._calibrating() and math.isfinite(mean_proposal) and mean_proposal >= 1:
             self.every = int(min(MAX_EVERY, math.ceil(mean_proposal - 1e-9)))
 
     def state_dict(self) -> dict[str, Any]:

@@ -33,6 +33,9 @@ _HOST_ZERO = torch.zeros((), dtype=torch.float32)
 BUCKET_FRACTION = 1 / 8
 #: Default bucket bound in bytes, whatever the model size.
 MAX_BUCKET_BYTES = 128 * 2**20
+#: Default bucket bound at least (a small model's gradients fit one bucket: one norm per backward,
+#: not one per eighth of it, for a few MiB held).
+MIN_BUCKET_BYTES = 8 * 2**20
 
 _NORM_DTYPE = {
     torch.float16: torch.float32,
@@ -185,14 +188,18 @@ class GradStatsCollector:
             method is applied per bucket); a ``None`` result marks the
             microbatch as unmeasurable (e.g. no optimizer state yet).
         register: register hooks on ``params`` now (FSDP2 adapters register later).
-        bucket_bytes: most bytes of gradients held at once (``None``: the smaller
-            of ``BUCKET_FRACTION`` of the hooked parameters' bytes and
+        bucket_bytes: most bytes of gradients held at once (``None``: ``BUCKET_FRACTION``
+            of the hooked parameters' bytes, kept between ``MIN_BUCKET_BYTES`` and
             ``MAX_BUCKET_BYTES``; ``0``: one norm per gradient, in its hook).
 
     Raises:
         TypeError: ``bucket_bytes`` is not an int.
         ValueError: ``bucket_bytes`` is negative.
     """
+
+    #: on a CPU, read each tensor size as it is (no copy to save); ``False`` reads them as an accelerator
+    #: does, in one copy (tests and the benchmark's operator count stand in for an accelerator so)
+    read_each_on_cpu = True
 
     def __init__(
         self,
@@ -215,6 +222,10 @@ class GradStatsCollector:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooked: set[int] = set()
         self._hooked_params: list[nn.Parameter] = []
+        self._fns: list[Callable[[torch.Tensor], None]] = []
+        # hooks detached for the windows the cadence does not measure: per hooked parameter,
+        # the hook dict taken off it (None: left on, e.g. it holds other hooks too)
+        self._detached: list[dict[Any, Any] | None] | None = None
         self._from_grad = False  # this microbatch's norms are read from .grad at its end
         self._param_bytes = 0
         self._lock = threading.Lock()  # hooks of several devices run on several autograd threads
@@ -236,8 +247,11 @@ class GradStatsCollector:
         self.window_unmeasurable = False
         #: host seconds spent measuring the current window (hooks, norms), since reset_window
         self.own_seconds = 0.0
-        #: hook calls seen by the last finished microbatch (0: its backward ran outside it,
-        #: or nothing required grad)
+        #: time the measuring work into :attr:`own_seconds` (``measure_every="auto"`` reads it;
+        #: without it no clock is read)
+        self.timed = True
+        #: hook calls seen by the last finished measured microbatch (0: its backward ran outside
+        #: it, or nothing required grad)
         self.hooks_fired_in_last_microbatch = 0
         #: hook calls that arrived outside any microbatch since the last :meth:`reset_window`
         self.hooks_fired_outside = 0
@@ -254,14 +268,57 @@ class GradStatsCollector:
         self._hooked_params.append(param)
         self._param_bytes += param.numel() * param.element_size()
         self._limit = self.bucket_bytes
-        self._handles.append(param.register_hook(self._make_hook(param)))
+        fn = self._make_hook(param)
+        self._fns.append(fn)
+        self._handles.append(param.register_hook(fn))
+        if self._detached is not None:  # hooked between two measured windows: detached like the others
+            self._detached.append(self._take_off(len(self._handles) - 1))
+
+    # A window the cadence does not measure needs no hook at all: autograd calls into Python
+    # for every parameter that has a hook dict, even an empty one (about a microsecond each),
+    # so the dict itself is taken off the parameter (``_backward_hooks = None``, as before any
+    # hook was registered) and put back for the next measured window. Only a dict that holds
+    # nothing but this collector's hook is taken off; a parameter with other hooks keeps
+    # them all (ours only counts its calls then). Both happen between backward passes, at a
+    # microbatch's start.
+    def _take_off(self, i: int) -> dict[Any, Any] | None:
+        param, handle = self._hooked_params[i], self._handles[i]
+        hooks = param._backward_hooks
+        if hooks is None or len(hooks) != 1 or handle.id not in hooks:
+            return None
+        param._backward_hooks = None
+        return hooks
+
+    def _detach_hooks(self) -> None:
+        if self._detached is None:
+            self._detached = [self._take_off(i) for i in range(len(self._handles))]
+
+    def _attach_hooks(self) -> None:
+        detached, self._detached = self._detached, None
+        if detached is None:
+            return
+        for i, hooks in enumerate(detached):
+            if hooks is None:
+                continue
+            param = self._hooked_params[i]
+            if param._backward_hooks is None:
+                param._backward_hooks = hooks
+            else:  # someone registered a hook meanwhile: ours joins theirs
+                self._handles[i] = param.register_hook(self._fns[i])
+
+    @property
+    def hooks_attached(self) -> int:
+        """Hooked parameters whose hook autograd calls now (0 for the whole model between measured windows)."""
+        if self._detached is None:
+            return len(self._handles)
+        return sum(d is None for d in self._detached)
 
     @property
     def bucket_bytes(self) -> int:
         """The most bytes of incoming gradients held at once before their norms are taken."""
         if self._fixed_bucket_bytes is not None:
             return self._fixed_bucket_bytes
-        return min(int(self._param_bytes * BUCKET_FRACTION), MAX_BUCKET_BYTES)
+        return min(max(int(self._param_bytes * BUCKET_FRACTION), MIN_BUCKET_BYTES), MAX_BUCKET_BYTES)
 
     @property
     def held_bytes(self) -> int:
@@ -278,6 +335,11 @@ class GradStatsCollector:
                 return
             if self._from_grad:  # read from .grad when the microbatch ends
                 self._hooks_this_microbatch += 1
+                return
+            if not self.timed:
+                with self._lock:
+                    self._hooks_this_microbatch += 1
+                    self._file(param, grad)
                 return
             t0 = time.perf_counter()
             with self._lock:
@@ -379,9 +441,15 @@ class GradStatsCollector:
 
     def remove(self) -> None:
         """Remove every hook (the model is left as it was)."""
-        for h in self._handles:
-            h.remove()
+        detached, self._detached = self._detached, None
+        for i, h in enumerate(self._handles):
+            h.remove()  # a detached dict is not on its parameter any more: it just empties
+            param = self._hooked_params[i]
+            if (detached is None or detached[i] is None) and param._backward_hooks is not None \
+                    and len(param._backward_hooks) == 0:
+                param._backward_hooks = None  # no dict left for autograd to call into
         self._handles.clear()
+        self._fns.clear()
         self._hooked.clear()
         self._hooked_params.clear()
         self._param_bytes = 0
@@ -404,16 +472,21 @@ class GradStatsCollector:
                 change it), the hooks only count and the norms are taken from
                 ``.grad`` at :meth:`end_microbatch` (one fused norm per device and
                 dtype, nothing held); otherwise the hooks measure as usual.
-            measure: ``False`` for a window the measuring cadence lets pass: the hooks
-                only count their calls and no norm is taken (the microbatch's size is kept).
+            measure: ``False`` for a window the measuring cadence lets pass: the hooks are
+                taken off the parameters (autograd calls nothing of the tracker) until the
+                next measured microbatch, and no norm is taken (the microbatch's size is kept).
         """
         if self._recording or self._passive:
             raise RuntimeError("GradStatsCollector.begin_microbatch: the previous microbatch was not ended")
         self._hooks_this_microbatch = 0
         if not measure:
             self._passive = True
+            if self._handles:
+                self._detach_hooks()
             return
-        t0 = time.perf_counter()
+        if self._detached is not None:
+            self._attach_hooks()
+        t0 = time.perf_counter() if self.timed else 0.0
         # a post-accumulate-grad hook may change .grad before it is read (per-parameter clipping,
         # an optimizer step in backward): those parameters keep the hooks' own checks
         self._from_grad = unsynced and not self._eager and all(
@@ -423,7 +496,8 @@ class GradStatsCollector:
         self._norms = {}
         self._skipped = False
         self._hooks_this_microbatch = 0
-        self.own_seconds += time.perf_counter() - t0
+        if self.timed:
+            self.own_seconds += time.perf_counter() - t0
 
     def end_microbatch(self, size: torch.Tensor | float) -> None:
         """Close the microbatch; ``size`` is its loss-contributing units (tokens or samples).
@@ -432,12 +506,11 @@ class GradStatsCollector:
         in :meth:`window_sums`.
         """
         if self._passive:
-            self._passive = False
-            self.hooks_fired_in_last_microbatch = self._hooks_this_microbatch
+            self._passive = False  # (the hooks are off: hooks_fired_in_last_microbatch stays the measured one's)
             self._micro_sq.append(_HOST_ZERO)  # a placeholder: a window not measured takes no norm
             self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
             return
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.timed else 0.0
         with self._lock:
             if self._from_grad:
                 self._reduce_grads()
@@ -456,7 +529,8 @@ class GradStatsCollector:
             sq = _sq_total(groups.values())
         self._micro_sq.append(sq)
         self._micro_size.append(size if isinstance(size, torch.Tensor) else float(size))
-        self.own_seconds += time.perf_counter() - t0
+        if self.timed:
+            self.own_seconds += time.perf_counter() - t0
 
     @property
     def num_microbatches(self) -> int:
@@ -507,6 +581,34 @@ class GradStatsCollector:
         invalid = (~ok).sum(dtype=torch.float64)
         return torch.cat([sums[:4], invalid.reshape(1), sums[4:], tail])
 
+    def host_sizes(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
+        """The window's microbatch sizes as host floats, and ``extra`` (0-d tensors) likewise.
+
+        Sizes given as tensors (and ``extra``) on an accelerator are read in one stack and one
+        copy (tokens counted from the labels); on the CPU each is read as it is. What a window the cadence does not measure needs: its counts only.
+        """
+        tensors = [v for v in self._micro_size if isinstance(v, torch.Tensor)] + list(extra)
+        if not tensors:
+            return [float(v) for v in self._micro_size], []  # type: ignore[arg-type]
+        if len(tensors) == 1 or (self.read_each_on_cpu and all(t.device.type == "cpu" for t in tensors)):
+            read = [t.item() for t in tensors]  # no copy to make: a read each is the cheapest
+        else:
+            read = _read_at_once(tensors)
+        it = iter(read)
+        sizes = [float(next(it)) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
+        return sizes, [float(v) for v in it]
+
+    def pulled_window_sums(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
+        """:meth:`host_window_sums` wherever the numbers live, and ``extra`` (0-d or one-element tensors) read
+        with them: on an accelerator every norm, size and extra is copied to the host at once (one ``stack``
+        per kind of number, one copy), and the sums are host additions, instead of a dozen small launches."""
+        sizes = [v for v in self._micro_size if isinstance(v, torch.Tensor)]
+        read = _read_at_once(list(self._micro_sq) + sizes + list(extra))
+        k = len(self._micro_sq)
+        sq, it = read[:k], iter(read[k : k + len(sizes)])
+        size_values = [next(it) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
+        return _sums(sq, size_values), read[k + len(sizes):]
+
     def host_window_sums(self) -> list[float] | None:
         """:meth:`window_sums` as Python floats when every value already lives on the host.
 
@@ -514,7 +616,7 @@ class GradStatsCollector:
         costs less than the dozen small tensor operators of :meth:`window_sums`.
         Returns ``None`` when a norm or a size lives on an accelerator.
         """
-        total_sq = count = inv_sum = units = invalid = per_unit_sq = 0.0
+        sq_values, size_values = [], []
         for sq, size in zip(self._micro_sq, self._micro_size, strict=True):
             if sq.device.type != "cpu":
                 return None
@@ -523,16 +625,9 @@ class GradStatsCollector:
                     return None
                 size = size.item()
             b = float(size)
-            if not (math.isfinite(b) and b >= 0.0):
-                invalid += 1.0
-            elif b > 0.0:
-                v = sq.item()
-                total_sq += v
-                count += 1.0
-                inv_sum += 1.0 / b
-                units += b
-                per_unit_sq += v / (b * b)
-        return [total_sq, count, inv_sum, units, invalid, per_unit_sq]
+            size_values.append(b)
+            sq_values.append(sq.item() if math.isfinite(b) and b > 0.0 else 0.0)
+        return _sums(sq_values, size_values)
 
     def reset_window(self) -> None:
         self.own_seconds = 0.0
@@ -540,6 +635,42 @@ class GradStatsCollector:
         self._micro_size = []
         self.window_unmeasurable = False
         self.hooks_fired_outside = 0
+
+
+def _sums(sq: Sequence[float], sizes: Sequence[float]) -> list[float]:
+    """``[sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2]`` over the valid positive sizes."""
+    total_sq = count = inv_sum = units = invalid = per_unit_sq = 0.0
+    for v, b in zip(sq, sizes, strict=True):
+        if not (math.isfinite(b) and b >= 0.0):
+            invalid += 1.0
+        elif b > 0.0:
+            total_sq += v
+            count += 1.0
+            inv_sum += 1.0 / b
+            units += b
+            per_unit_sq += v / (b * b)
+    return [total_sq, count, inv_sum, units, invalid, per_unit_sq]
+
+
+def _read_at_once(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of one-element tensors as host floats, in order: per device one ``stack`` of the floating
+    ones and one of the integer ones, joined as float64 and copied to the host once."""
+    out: list[float] = [0.0] * len(tensors)
+    by_device: dict[torch.device, tuple[list[int], list[int]]] = {}
+    for i, t in enumerate(tensors):
+        fl, ints = by_device.setdefault(t.device, ([], []))
+        (fl if t.is_floating_point() else ints).append(i)
+    for fl, ints in by_device.values():
+        order, parts = [], []
+        for idx in (fl, ints):
+            if idx:
+                part = torch.stack([tensors[i] if tensors[i].dim() == 0 else tensors[i].reshape(()) for i in idx])
+                parts.append(part if part.dtype == torch.float64 else part.to(torch.float64))
+                order += idx
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        for i, v in zip(order, joined.tolist(), strict=True):  # one copy to the host
+            out[i] = v
+    return out
 
 
 def local_grad_sq_norm(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -80,10 +81,10 @@ class LoopTracker:
             ``budget_tokens`` (its plan grows the batch whatever the measured noise scale
             says), else ``False``.
         measure_every: measure one window in ``n`` (default 1: every window); the others
-            run with hooks that return at once and no norm pass, and still count for the
-            units, the counters and the LR schedule. ``"auto"``: the smallest ``n`` that
-            keeps the measurement at or below ``measure_target`` of the step time, from
-            timings of measured and unmeasured windows. The estimate's interval widens
+            run without the tracker's hooks on the parameters, take no norm and read no
+            clock, and still count for the units, the counters and the LR schedule.
+            ``"auto"``: the smallest ``n`` that keeps the tracker's share of the step time at
+            or below ``measure_target``, on the step clock (see :mod:`cbs_tracker.core.cadence`). The estimate's interval widens
             with fewer measured units; the controller decides on measured windows only.
         measure_target: the share of the step time ``"auto"`` allows (default 0.01).
         max_microbatch: grow the microbatch before the accumulation, up to this many
@@ -199,6 +200,7 @@ class LoopTracker:
         self._avg_ranks = self._averaging_ranks(grads_averaged_over_ranks)
         self._transform = adam_preconditioner(optimizer) if preconditioner == "adam" else None
         self.collector = GradStatsCollector([], transform=self._transform, register=False)
+        self.collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
         self._window_params: list[nn.Parameter] = []
         self._register_hooks()
         if lr_scheduler is not None:
@@ -401,9 +403,10 @@ class LoopTracker:
         return self.session.coupling
 
     # ------------------------------------------------------------------ the loop
-    @contextmanager
-    def microbatch(self, size: float | int | torch.Tensor | None = None, *, labels: torch.Tensor | None = None) -> Iterator[None]:
-        """Wrap one microbatch's forward and backward.
+    def microbatch(
+        self, size: float | int | torch.Tensor | None = None, *, labels: torch.Tensor | None = None
+    ) -> AbstractContextManager[None]:
+        """Wrap one microbatch's forward and backward (a context manager).
 
         Args:
             size: units in this microbatch (tokens or samples, per :attr:`unit`): a real
@@ -418,6 +421,8 @@ class LoopTracker:
             ValueError: a negative or non-finite ``size``.
             RuntimeError: nested microbatches.
         """
+        timing = self.session.timing  # "auto" times the window before a measured one (no clock otherwise)
+        t0 = time.perf_counter() if timing else 0.0
         name = type(self).__name__
         if (size is None) == (labels is None):
             raise TypeError(
@@ -433,10 +438,18 @@ class LoopTracker:
         if self._window_index == 0 and not self._restarted:
             self._begin_window()
         self._restarted = False
+        if not self._measure and not timing and self.max_microbatch is None:
+            return _CountedMicrobatch(self, n)  # a window not measured: the counts only
+        return self._microbatch(n, timing, t0, name)
+
+    @contextmanager
+    def _microbatch(self, n: float | torch.Tensor, timing: bool, t0: float, name: str) -> Iterator[None]:
         self._step_norm = None
         last = self._window_index >= self._window_divisor - 1
         self._in_microbatch = True
         self.collector.begin_microbatch(unsynced=self._unsynced(last), measure=self._measure)
+        if timing:
+            self.session.own_extra += time.perf_counter() - t0
         recovered = False
         try:
             with self._sync_context(last):
@@ -446,13 +459,16 @@ class LoopTracker:
                 raise
             recovered = True
         finally:
+            t0 = time.perf_counter() if timing else 0.0
             self.collector.end_microbatch(n)
             self._in_microbatch = False
             self._window_index += 1
+            if timing:
+                self.session.own_extra += time.perf_counter() - t0
         if recovered:
             self._restart_window()
             return
-        if getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
+        if self._measure and getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
             self.session.warn_once(
                 "no_hook",
                 f"{name}: no gradient reached the tracker during a microbatch: call loss.backward() inside "
@@ -554,6 +570,7 @@ class LoopTracker:
                 :attr:`accumulation_steps` (raised on every rank, before the optimizer can
                 step on gradients that were never all-reduced).
         """
+        t0 = time.perf_counter() if self.session.timing else None
         name = type(self).__name__
         if self._in_microbatch:
             raise RuntimeError(f"{name}.step(): called inside tracker.microbatch()")
@@ -598,6 +615,8 @@ class LoopTracker:
             raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
         reusable = self._transform is None and not self.big_norm_is_sharded and math.isfinite(stats.synced_sq_norm)
         self._step_norm = math.sqrt(max(stats.synced_sq_norm, 0.0)) if reusable else None
+        if t0 is not None:
+            self.session.own_extra += time.perf_counter() - t0
         return self.session.finish_step(
             stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()
         )
@@ -753,6 +772,34 @@ class LoopTracker:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
         self.collector.remove()
         self.session.detach_scheduler()
+
+
+class _CountedMicrobatch:
+    """:meth:`LoopTracker.microbatch` in a window the cadence does not measure: no hook is on the
+    parameters, so the microbatch only counts (its gradient sync is switched as in any window)."""
+
+    __slots__ = ("_tracker", "_size", "_sync")
+
+    def __init__(self, tracker: LoopTracker, size: float | torch.Tensor) -> None:
+        self._tracker, self._size = tracker, size
+
+    def __enter__(self) -> None:
+        t = self._tracker
+        t._step_norm = None
+        last = t._window_index >= t._window_divisor - 1
+        t._in_microbatch = True
+        t.collector.begin_microbatch(measure=False)
+        self._sync = t._sync_context(last)
+        self._sync.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        t = self._tracker
+        try:
+            return self._sync.__exit__(*exc)
+        finally:
+            t.collector.end_microbatch(self._size)
+            t._in_microbatch = False
+            t._window_index += 1
 
 
 def microbatch_layout(level: int, max_group: int, dp_degree: int) -> int:

@@ -123,8 +123,10 @@ def reduce_window(
     (``K B_small`` for equal weights; the window's units for unit-normalised losses;
     ``R`` times the harmonic mean of the ranks' units when each rank divides by its own).
     ``K`` is the microbatches really run (a short window is measured with its real size).
-    One ``all_reduce`` of 18 float64 numbers and one host sync; on an accelerator the
-    host's numbers (sizes given as numbers, flags, counts) reach the device in one copy.
+    One ``all_reduce`` of 18 float64 numbers; on an accelerator the norms, the sizes given as
+    tensors and the loss scale reach the host in one copy (a ``stack`` per kind of number), the
+    sums are host arithmetic, and on several ranks the vector goes back to the device for the
+    ``all_reduce`` and is read once more (two host syncs, a handful of launches).
 
     Replicated gradients (not ``big_norm_is_sharded``) are checked in the same reduction:
     every rank adds its own ``|.grad|^2`` and its square, so the spread across ranks follows
@@ -163,7 +165,13 @@ def reduce_window(
     """
     if normalization not in LOSS_NORMALIZATIONS:
         raise ValueError(f"reduce_window(normalization={normalization!r}): must be one of {LOSS_NORMALIZATIONS}")
-    t0 = time.perf_counter()
+    if not measured:
+        return _reduce_counts(
+            collector, dp_group=dp_group, loss_divisor=loss_divisor, avg_ranks=avg_ranks,
+            big_norm_is_sharded=big_norm_is_sharded, expected_microbatches=expected_microbatches,
+            normalization=normalization, units_divisor=units_divisor, proposed_every=proposed_every,
+        )
+    t0 = time.perf_counter() if collector.timed else None
     big = local_grad_sq_norm(big_params, transform) if measured else None
     ref = big if big is not None else (collector.microbatch_sq_norms() or [torch.zeros(())])[0]
     device = cbs_dist.reduction_device(dp_group, ref.device)
@@ -185,80 +193,116 @@ def reduce_window(
     )
     host = collector.host_window_sums() if on_host else None
     if host is not None:
-        s1, k, inv_b, units, invalid, s2 = host
-        if normalization == "mean":
-            small, c, q = s1 * a * a, k / a, inv_b / (a * a)
-        else:
-            d = 1.0 if group else (units if units_divisor is None else float(units_divisor))
-            d = d if units > 0 else 1.0  # nothing ran: every sum is 0 anyway
-            small, c, q = s2 * (d * a) ** 2, units / (d * a), units / (d * a) ** 2
-        if scale is not None:
-            s_sq = float(scale) ** 2  # a loss scale that decayed to 0 makes the step non-finite, as on a device
-            small = small / s_sq if s_sq > 0 else math.nan
-            if big is not None and big_is_scaled:
-                big_val = big.item() / s_sq if s_sq > 0 else math.nan
-            else:
-                big_val = 0.0 if big is None else big.item()
-        else:
-            big_val = 0.0 if big is None else big.item()
-        finite = all(math.isfinite(v) for v in (small, big_val, c, q))
-        unmeasurable, mismatched, ran, was_measured, proposal = flags
-        values = [
-            small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
-            0.0 if finite else 1.0, unmeasurable, mismatched, invalid, ran,
-            c if finite else 0.0, q if finite else 0.0, was_measured, proposal,
-            *((small * small, c * c, q * q, big_val * big_val) if finite else (0.0, 0.0, 0.0, 0.0)),
-        ]
-        ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
-        if ranks > 1:
-            values = cbs_dist.all_reduce_sum(torch.tensor(values, dtype=torch.float64), dp_group).tolist()
-        return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks,
-                           replicas=not big_norm_is_sharded, own_seconds=_own_seconds(collector, measured, t0))
-    # On an accelerator every operator below is a launch: the vector is built in about a dozen.
-    # [sum |h_k|^2, K, sum 1/b_k, sum b_k, invalid, sum |h_k|^2/b_k^2, *flags]
-    sums = collector.window_sums(device, flags, norms=measured)
+        big_f = None if big is None else big.item()
+        scale_f = None if scale is None else float(scale)
+        div_f = None if units_divisor is None else float(units_divisor)
+    else:
+        # an accelerator: every number the step needs reaches the host in one copy, then host arithmetic
+        extra = [t for t in (big, scale, units_divisor) if isinstance(t, torch.Tensor)]
+        host, read = collector.pulled_window_sums(extra)
+        it = iter(read)
+        big_f = None if big is None else next(it)
+        scale_f = None if scale is None else (next(it) if isinstance(scale, torch.Tensor) else float(scale))
+        div_f = None if units_divisor is None else (
+            next(it) if isinstance(units_divisor, torch.Tensor) else float(units_divisor))
+    s1, k, inv_b, units, invalid, s2 = host
     if normalization == "mean":
-        wsum = torch.stack([sums[0] * (a * a), sums[1] / a, sums[2] / (a * a)])
+        small, c, q = s1 * a * a, k / a, inv_b / (a * a)
     else:
-        units = sums[3]
-        if group:
-            d = torch.ones((), dtype=torch.float64, device=device)
-        elif units_divisor is None:
-            d = torch.where(units > 0, units, 1.0)
+        d = 1.0 if group else (units if div_f is None else div_f)
+        d = d if units > 0 else 1.0  # nothing ran: every sum is 0 anyway
+        small, c, q = s2 * (d * a) ** 2, units / (d * a), units / (d * a) ** 2
+    if scale_f is not None:
+        s_sq = scale_f ** 2  # a loss scale that decayed to 0 makes the step non-finite
+        small = small / s_sq if s_sq > 0 else math.nan
+        if big_f is not None and big_is_scaled:
+            big_val = big_f / s_sq if s_sq > 0 else math.nan
         else:
-            d = torch.as_tensor(units_divisor).to(device=device, dtype=torch.float64).reshape(())
-            d = torch.where(units > 0, d, 1.0)
-        da = d * a
-        wsum = torch.stack([sums[5] * da.square(), units / da, units / da.square()])
-    if big is None:
-        big_val = torch.zeros((), dtype=torch.float64, device=device)
+            big_val = 0.0 if big_f is None else big_f
     else:
-        big_val = big.reshape(()).to(device=device, dtype=torch.float64)
-    if scale is not None:
-        s_sq = scale.to(device=device, dtype=torch.float64).square()
-        wsum = torch.cat([wsum[:1] / s_sq, wsum[1:]])
-        if big_is_scaled:
-            big_val = big_val / s_sq
-    # [small, C, Q, big]
-    block = torch.cat([wsum, big_val.reshape(1)])
-    nonfinite = (block - block).ne(0).any(0, keepdim=True)  # x - x is nan exactly for inf and nan
-    block = block.masked_fill(nonfinite, 0.0)
-    flag_vec = sums[6:]
-    # [small, K, sum 1/b, units, big, nonfinite, unmeasurable, mismatched, invalid, ran, C, Q, measured, proposal,
-    #  small^2, C^2, Q^2, big^2]
-    vec = torch.cat([
-        block[:1], sums[1:4], block[3:4], nonfinite.to(torch.float64), flag_vec[:2], sums[4:5], flag_vec[2:3],
-        block[1:3], flag_vec[3:5], block.square(),  # one operator: the squares ride whole
-    ])
-    vec = cbs_dist.all_reduce_sum(vec, dp_group)
-    ranks = cbs_dist.group_size(dp_group) if cbs_dist.is_distributed() else 1
-    values = vec.tolist()  # one host sync
+        big_val = 0.0 if big_f is None else big_f
+    finite = all(math.isfinite(v) for v in (small, big_val, c, q))
+    unmeasurable, mismatched, ran, was_measured, proposal = flags
+    values = [
+        small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
+        0.0 if finite else 1.0, unmeasurable, mismatched, invalid, ran,
+        c if finite else 0.0, q if finite else 0.0, was_measured, proposal,
+        *((small * small, c * c, q * q, big_val * big_val) if finite else (0.0, 0.0, 0.0, 0.0)),
+    ]
+    ranks = cbs_dist.group_size(dp_group)
+    if ranks > 1:
+        vec = torch.tensor(values, dtype=torch.float64)
+        values = cbs_dist.all_reduce_sum(vec if device.type == "cpu" else vec.to(device), dp_group).tolist()
     return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks,
                        replicas=not big_norm_is_sharded, own_seconds=_own_seconds(collector, measured, t0))
 
 
-def _own_seconds(collector: GradStatsCollector, measured: bool, started: float) -> float:
-    """Host seconds this rank spent measuring the window: its hooks and norms, and this reduction."""
+def _reduce_counts(
+    collector: GradStatsCollector,
+    *,
+    dp_group: Any | None,
+    loss_divisor: float,
+    avg_ranks: int,
+    big_norm_is_sharded: bool,
+    expected_microbatches: int | None,
+    normalization: str,
+    units_divisor: torch.Tensor | float | None,
+    proposed_every: float,
+) -> tuple[StepStats, WindowFaults]:
+    """:func:`reduce_window` of a window the cadence does not measure: its counts only, on the host.
+
+    No norm, no clock; the sizes given as tensors are read in one copy. The vector is the one
+    :func:`reduce_window` reduces (the norms' entries 0, ``measured`` 0), so on several ranks it
+    goes through the same ``all_reduce``: the ranks still check the window's size and agree on
+    the cadence.
+    """
+    divisor_t = units_divisor if isinstance(units_divisor, torch.Tensor) else None
+    sizes, read = collector.host_sizes(() if divisor_t is None else (divisor_t.reshape(()),))
+    k = inv_b = units = invalid = 0.0
+    for b in sizes:
+        if not (b >= 0.0 and b < math.inf):  # negative, nan or infinite
+            invalid += 1.0
+        elif b > 0.0:
+            k += 1.0
+            inv_b += 1.0 / b
+            units += b
+    a = float(loss_divisor)
+    group = normalization == "group"
+    if normalization == "mean":
+        c, q = k / a, inv_b / (a * a)
+    else:
+        d = 1.0 if group else (units if units_divisor is None else (read[0] if read else float(units_divisor)))
+        d = d if units > 0 else 1.0
+        c, q = units / (d * a), units / (d * a) ** 2
+    finite = math.isfinite(c) and math.isfinite(q)
+    local_k = len(sizes)
+    mismatched = float(expected_microbatches is not None and local_k not in (0, expected_microbatches))
+    values = [
+        0.0, k, inv_b, units, 0.0, 0.0 if finite else 1.0, 0.0, mismatched, invalid, float(local_k),
+        c if finite else 0.0, q if finite else 0.0, 0.0, float(proposed_every),
+        0.0, (c * c) if finite else 0.0, (q * q) if finite else 0.0, 0.0,
+    ]
+    ranks = cbs_dist.group_size(dp_group)
+    if ranks > 1:
+        device = cbs_dist.reduction_device(dp_group, torch.device("cpu"))
+        vec = torch.tensor(values, dtype=torch.float64).to(device)
+        values = cbs_dist.all_reduce_sum(vec, dp_group).tolist()
+        return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks, replicas=not big_norm_is_sharded)
+    # one rank: what _step_stats makes of that vector, directly (the group's rescaling of C and Q cancels in C^2/Q)
+    n = int(round(k))
+    stats = StepStats(
+        small_sq_norm=0.0, big_sq_norm=0.0, num_microbatches=n, small_batch=(n / inv_b) if inv_b > 0 else 0.0,
+        big_batch=(c * c / q) if finite and q > 0 else 0.0, units=units, finite=finite, measured=False,
+        proposed_every=float(proposed_every),
+    )
+    return stats, WindowFaults(mismatched_ranks=int(mismatched), invalid_sizes=int(invalid), microbatches_run=local_k)
+
+
+def _own_seconds(collector: GradStatsCollector, measured: bool, started: float | None) -> float:
+    """Host seconds this rank spent measuring the window: its hooks and norms, and this reduction
+    (0 when the collector is not timed)."""
+    if started is None:
+        return 0.0
     return (collector.own_seconds if measured else 0.0) + (time.perf_counter() - started)
 
 

@@ -79,3 +79,11 @@ class StepRecord:
     lr_conversions: int | None = None
     measured: bool = True
     kappa: float | None = None
+
+    @classmethod
+    def _of(cls, **values: object) -> StepRecord:
+        """The record of ``values``, every field given: what ``StepRecord(**values)`` builds, without the
+        frozen dataclass's one ``object.__setattr__`` per field (the tracker builds one per step)."""
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record

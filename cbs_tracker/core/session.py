@@ -157,12 +157,16 @@ class TrackingSession:
         if callable(getattr(controller, "bind", None)):  # a BatchSchedule checks its marks against the layout
             controller.bind(owner=owner, dp_degree=int(dp_degree), starting_accumulation=int(starting_accumulation))
         self.cadence = MeasureCadence(measure_every, measure_target, owner=owner)
-        self._last_finish: float | None = None
+        self._last_finish: float | None = None  # the step clock at the last window's end, when read
+        self._clock_due = self.cadence.clock_due()  # read the step clock when the current window ends
+        #: the current window is an unmeasured one whose tracker work is timed (``"auto"``: the one
+        #: before a measured window); an adapter adds its own timed work to :attr:`own_extra`
+        self.timing = False
+        self.own_extra = 0.0
         #: warn when the learning rate was changed between two steps by someone else (plain loops)
         self.detect_outside_lr = False
         self._lr_left: float | None = None  # the first group's LR as the tracker last left it
         self._timer_writes = 0
-        self._window_start: float | None = None
         self.timer: ScheduleTimer | None = None
         self._pending_schedule_state: dict[str, Any] | None = None
         self._update_kwargs: tuple[str, ...] | None = None
@@ -261,8 +265,9 @@ class TrackingSession:
 
     # ------------------------------------------------------------------ the step
     def start_window(self) -> bool:
-        """A window starts: note the time (for ``measure_every="auto"``); returns whether it is measured."""
-        self._window_start = time.perf_counter()
+        """A window starts; returns whether it is measured (no clock is read here)."""
+        self.timing = self.cadence.times_next()
+        self.own_extra = 0.0
         if self._recouple:
             self._recouple = False
             self._set_coupling(coupling_factor(self.coupling_mode, self.accumulation_steps / self.starting_accumulation))
@@ -297,15 +302,19 @@ class TrackingSession:
                 (multi-rank), or a microbatch size was negative or not finite.
         """
         self._check_outside_lr()
-        now = time.perf_counter()
-        start = self._window_start if self._window_start is not None else self._last_finish
-        self._last_finish, self._window_start = now, None
+        # the step clock ("auto" only, and only around measured windows): from one window's end to the next
+        now = time.perf_counter() if self._clock_due else None
+        seconds = None if now is None or self._last_finish is None else now - self._last_finish
+        self._last_finish = now
         faults = faults or WindowFaults()
         self._check_faults(stats, faults, window_accumulation, mismatch_is_fatal)
         run = faults.microbatches_run or stats.num_microbatches
         self._advance(stats, run, window_accumulation)
         measured = stats.measured
-        estimate = self._estimate(stats, window_accumulation, estimate_allowed and measured)
+        if measured or (stats.finite and int(window_accumulation) * self.dp_degree < 2):
+            estimate = self._estimate(stats, window_accumulation, estimate_allowed and measured)
+        else:
+            estimate = None  # a window not measured feeds nothing to the estimator
         interval = getattr(self.estimator, "noise_scale_interval", None)
         low, high = interval if interval is not None else (None, None)
         if measured or getattr(self.controller, "every_window", False):
@@ -314,16 +323,10 @@ class TrackingSession:
         else:
             self.changed_this_step = False
             critical = getattr(self.last_decision, "critical_batch", None)
-        if start is not None:
-            own = stats.own_seconds + (time.perf_counter() - now)  # and this bookkeeping
-            self.cadence.window_done(measured, own / max(time.perf_counter() - start, 1e-12))
-        else:
-            self.cadence.window_done(measured, None)
-        self.cadence.agree(stats.proposed_every)
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = float(self.optimizer.param_groups[0]["lr"])
         step_est = None if estimate is None else estimate.step
-        record = StepRecord(
+        record = StepRecord._of(
             step=self.step,
             tokens_seen=self.units_seen,
             unit=self.unit,
@@ -354,6 +357,13 @@ class TrackingSession:
         if self.logger is not None:
             self.logger.log(record)
         self._note_lr()
+        own = None
+        if now is not None and (measured or self.timing):  # the tracker's own host work, and this bookkeeping
+            own = stats.own_seconds + self.own_extra + (time.perf_counter() - now)
+        self.cadence.window_done(measured, seconds, own)
+        self.cadence.agree(stats.proposed_every)
+        self._clock_due = self.cadence.clock_due()
+        self.timing, self.own_extra = self.cadence.times_next(), 0.0  # known before the next window starts
         return record
 
     def _note_lr(self) -> None:
