@@ -31,7 +31,6 @@ import math
 import os
 import re
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from cbs_tracker.integrations.plain import CBSTracker
 
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.demo.launch import join_torchrun
 from cbs_tracker.policy.controller import BatchSizeController
 
 CHECKPOINT = re.compile(r"ckpt-(\d+)\.pt")
@@ -76,22 +76,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def setup(backend: str | None) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun set up for this round; returns (rank, world size, device)."""
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, timeout=timedelta(seconds=60))
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 def checkpoints(directory: Path) -> list[Path]:
     """The complete checkpoints in ``directory``, oldest first (temporary files are not listed)."""
     found = [(int(m.group(1)), p) for p in directory.glob("ckpt-*.pt") if (m := CHECKPOINT.fullmatch(p.name))]
@@ -123,7 +107,7 @@ def lr_schedule(total_steps: int, warmup: int):
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
-    rank, world, device = setup(args.backend)
+    rank, world, device = join_torchrun(args.backend, timeout_s=60)
     ckpt_dir = Path(args.checkpoint_dir)
     log_path = Path(args.log_file) if args.log_file else ckpt_dir / "train.jsonl"
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -11,9 +11,7 @@ controller doubles the accumulation. Rank 0 prints what was measured.
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,6 +19,7 @@ from cbs_tracker.integrations.fsdp import FSDPTracker
 
 from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+from cbs_tracker.demo.launch import join_torchrun
 from cbs_tracker.policy.controller import BatchSizeController
 
 
@@ -45,26 +44,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def setup(backend: str | None) -> tuple[int, int, torch.device]:
-    """Join the torchrun process group; returns (rank, world size, device)."""
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise SystemExit("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, timeout=timedelta(seconds=120))
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
-    rank, world, device = setup(args.backend)
+    rank, world, device = join_torchrun(args.backend)
     torch.manual_seed(args.seed)  # same initial weights on every rank before sharding
     corpus = load_corpus(args.max_bytes)
     from torch.distributed.device_mesh import init_device_mesh
