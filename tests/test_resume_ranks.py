@@ -325,3 +325,25 @@ def test_an_uneven_split_below_the_starting_batch_keeps_the_schedule_on_the_data
         microbatches += r["microbatches"]
         assert r["starting_batch_steps"] == microbatches // k0, r  # 2 + floor(3/4), 2 + floor(6/4)
         assert r["lr"] == pytest.approx(r["scheduled_lr"] * 3 / 4, rel=1e-12)
+
+
+def test_a_checkpoint_taken_before_the_first_window_of_an_uneven_resume_still_recouples_the_lr():
+    from cbs_tracker import CBSTracker
+
+    def tracker_on(ranks):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        tracker = CBSTracker(model, opt, accumulation_steps=2, unit="samples", lr_coupling="linear")
+        tracker.session.dp_degree = ranks  # stands for a run on that many ranks (loading needs no group)
+        return tracker, opt
+
+    saved, _ = tracker_on(2)
+    state = saved.state_dict()  # 2 x 2 = 4 microbatches, coupling 1 at LR 1
+    moved, _ = tracker_on(3)
+    with pytest.warns(UserWarning, match="resumed on 3 data-parallel ranks"):
+        moved.load_state_dict(state)
+    again = moved.state_dict()  # saved before any window: the coupling to 3/4 is still to be set
+    resumed, opt = tracker_on(3)
+    resumed.load_state_dict(again)
+    resumed.session.start_window()
+    assert resumed.lr_coupling == pytest.approx(3 / 4) and opt.param_groups[0]["lr"] == pytest.approx(3 / 4)

@@ -691,6 +691,8 @@ class TrackingSession:
             "schedule": None if self.timer is None else self.timer.state_dict(),
             "warned": sorted(self._warned),
             "cadence": self.cadence.state_dict(),
+            # an uneven resume whose LR coupling has not been re-set yet (no window since): the next load does it
+            "recouple": int(self._recouple),
             "estimator": self.estimator.state_dict(),
             "controller": None if self.controller is None else self.controller.state_dict(),
         }
@@ -770,7 +772,7 @@ class TrackingSession:
         self.resumed_from = change
         # an uneven split: the LR follows the batch that runs, set when the next window starts (after a
         # pending change, and over an optimizer loaded after the tracker with the saved coupling in its LR)
-        self._recouple = change is not None and not change.exact
+        self._recouple = (change is not None and not change.exact) or bool(state.get("recouple", 0))
         self.starting_batch_steps = sb_steps
         self.starting_batch_carry = sb_carry
         self.starting_accumulation = start
