@@ -287,15 +287,7 @@ def _reduce_counts(
         device = cbs_dist.reduction_device(dp_group, torch.device("cpu"))
         vec = torch.tensor(values, dtype=torch.float64).to(device)
         values = cbs_dist.all_reduce_sum(vec, dp_group).tolist()
-        return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks, replicas=not big_norm_is_sharded)
-    # one rank: what _step_stats makes of that vector, directly (the group's rescaling of C and Q cancels in C^2/Q)
-    n = int(round(k))
-    stats = StepStats(
-        small_sq_norm=0.0, big_sq_norm=0.0, num_microbatches=n, small_batch=(n / inv_b) if inv_b > 0 else 0.0,
-        big_batch=(c * c / q) if finite and q > 0 else 0.0, units=units, finite=finite, measured=False,
-        proposed_every=float(proposed_every),
-    )
-    return stats, WindowFaults(mismatched_ranks=int(mismatched), invalid_sizes=int(invalid), microbatches_run=local_k)
+    return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks, replicas=not big_norm_is_sharded)
 
 
 def _own_seconds(collector: GradStatsCollector, measured: bool, started: float | None) -> float:
