@@ -82,11 +82,6 @@ class RankChange:
         """``A' / A``: the current window's accumulation (and the ladder ``A0 * 2**e`` of a controller)."""
         return self.new_accumulation / self.old_accumulation
 
-    @property
-    def batch_ratio(self) -> float:
-        """``K' / K``: 1 when exact; the LR coupling is multiplied by its coupling factor."""
-        return self.new_microbatches / self.old_microbatches
-
     def accumulation(self, old: int) -> int | None:
         """Another per-rank accumulation of the same ladder (a pending change) on the new ranks, or ``None``
         when it is not a whole number of microbatches there."""
