@@ -446,7 +446,7 @@ class CBSCallback(Callback):
             return
         global_done = done * change.old_dp  # the epoch's first global batches run before the checkpoint
         acc = session.accumulation_steps
-        position = min(global_done // (change.new_dp * acc) * acc, per_rank)
+        position = min(change.position(done, acc), per_rank)
         if position == per_rank and global_done < per_rank * change.new_dp:
             position = (per_rank - 1) // acc * acc  # batches remain: the epoch is not over
         delta = position - done

@@ -400,8 +400,9 @@ class CBSTrainer(Trainer):
             return done
         from cbs_tracker.policy.ranks import RankChange
 
-        acc = RankChange.plan(dp, here, int(session["accumulation_steps"])).new_accumulation
-        position = done * dp // (here * acc) * acc
+        change = RankChange.plan(dp, here, int(session["accumulation_steps"]))
+        acc = change.new_accumulation
+        position = change.position(done, acc)
         if self._steps_in_epoch is not None and position >= self._steps_in_epoch:
             position = (self._steps_in_epoch - 1) // acc * acc  # the epoch was not over: batches remain
         again = done * dp - position * here

@@ -758,7 +758,8 @@ class LoopTracker:
         if change is None:
             return batches_per_rank
         total = batches_per_rank * change.old_dp
-        skip, repeated = divmod(total, change.new_dp)
+        skip = change.position(batches_per_rank)
+        repeated = total - skip * change.new_dp
         if repeated:
             self.session.warn_once(
                 "resume_position",

@@ -90,6 +90,17 @@ class RankChange:
             return None
         return int(round(value))
 
+    def position(self, done_per_rank: int, multiple: int = 1) -> int:
+        """The same place in an epoch on the new ranks: ``done_per_rank`` loader batches on each old rank.
+
+        A sampler that deals the epoch's batches to the ranks in turn (``DistributedSampler``,
+        accelerate's batch sharding) gives the old ranks the epoch's first ``D * m``; on ``D'``
+        ranks that is ``D * m / D'`` each, rounded down to a multiple of ``multiple`` (a window's
+        microbatches) where it is not one: the batches in between run again, none is skipped.
+        """
+        step = self.new_dp * int(multiple)
+        return int(done_per_rank) * self.old_dp // step * int(multiple)
+
     def describe(self, micro_units: float | None, unit: str) -> str:
         """Both batches, for the warning of an uneven split."""
         def batch(k: int) -> str:
