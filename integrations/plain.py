@@ -93,6 +93,7 @@ class CBSTracker(LoopTracker):
         # DDP with static_graph=True fails on no_sync() before one synced iteration.
         self._needs_synced_first_step = self._ddp and bool(getattr(inner, "static_graph", False))
         super().__init__(model, optimizer, **kwargs)
+        self._sync_free = not self._ddp and type(self)._sync_context is CBSTracker._sync_context
 
     def _unwrap(self, model: nn.Module) -> nn.Module:
         if self._fabric_module is not None:

@@ -135,6 +135,20 @@ class MeasureCadence:
                 self._plain.append(own / seconds)
         self._proposal = None
 
+    def unmeasured_done(self, mean_proposal: float) -> tuple[bool, bool]:
+        """:meth:`window_done` of a window not measured whose clock was not read, then :meth:`agree`;
+        returns :meth:`clock_due` and :meth:`times_next` for the window about to start (an integer
+        cadence: its counters only)."""
+        if self.auto:
+            self.window_done(False)
+            self.agree(mean_proposal)
+            return self.clock_due(), self.times_next()
+        self._windows += 1
+        self._ref = None
+        self._since += 1
+        self._last_measured = False
+        return False, False
+
     def proposal(self) -> float:
         """This rank's ``n`` for the windows ahead (``"auto"``: from its timings)."""
         if not self.auto or self._calibrating():

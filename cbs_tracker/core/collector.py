@@ -29,6 +29,21 @@ GradTransform = Callable[[nn.Parameter, torch.Tensor], "torch.Tensor | None"]
 
 _HOST_ZERO = torch.zeros((), dtype=torch.float32)
 
+
+class LabelCount:
+    """A microbatch size still to be counted: its labels' tokens (``labels != ignore_index``),
+    counted when the window reduces, all of the window's microbatches at once (a window the
+    cadence does not measure runs no operator per microbatch). The labels' version is kept:
+    labels changed in place before the count are noticed (:attr:`GradStatsCollector.labels_changed`)."""
+
+    __slots__ = ("labels", "ignore_index", "version")
+
+    def __init__(self, labels: torch.Tensor, ignore_index: int) -> None:
+        self.labels, self.ignore_index, self.version = labels, ignore_index, labels._version
+
+    def count(self) -> torch.Tensor:
+        return (self.labels != self.ignore_index).sum()
+
 #: Default bucket bound, as a fraction of one copy of the hooked gradients.
 BUCKET_FRACTION = 1 / 8
 #: Default bucket bound in bytes, whatever the model size.
@@ -82,6 +97,14 @@ class StepStats:
     measured: bool = True
     proposed_every: float = math.nan
     own_seconds: float = 0.0
+
+    @classmethod
+    def _of(cls, **values: Any) -> StepStats:
+        """``StepStats(**values)``, every field given, without the frozen dataclass's ``__setattr__``s
+        (a window not measured builds one per step)."""
+        stats = object.__new__(cls)
+        stats.__dict__.update(values)
+        return stats
 
 
 class AdamPreconditioner:
@@ -231,6 +254,7 @@ class GradStatsCollector:
         self._lock = threading.Lock()  # hooks of several devices run on several autograd threads
         self._recording = False
         self._passive = False  # a microbatch of a window the cadence does not measure
+        self.labels_changed = 0  # labels of this window changed in place before they were counted
         self._skipped = False
         self._eager = False  # set after a held gradient was seen modified before its norm
         # the gradients held: (device, dtype) -> [(param, gradient, version if it may become .grad)]
@@ -499,6 +523,19 @@ class GradStatsCollector:
         if self.timed:
             self.own_seconds += time.perf_counter() - t0
 
+    def pause(self) -> None:
+        """A window the cadence does not measure starts: the hooks come off the parameters until the
+        next measured microbatch, and its microbatches are only counted (:meth:`count_microbatch`)."""
+        if self._recording or self._passive:
+            raise RuntimeError("GradStatsCollector.pause: a microbatch was not ended")
+        if self._handles:
+            self._detach_hooks()
+
+    def count_microbatch(self, size: torch.Tensor | float | LabelCount) -> None:
+        """A microbatch of a paused window: its size only (a number, a 0-d tensor or a :class:`LabelCount`)."""
+        self._micro_sq.append(_HOST_ZERO)  # a placeholder: a window not measured takes no norm
+        self._micro_size.append(size)
+
     def end_microbatch(self, size: torch.Tensor | float) -> None:
         """Close the microbatch; ``size`` is its loss-contributing units (tokens or samples).
 
@@ -587,6 +624,8 @@ class GradStatsCollector:
         Sizes given as tensors (and ``extra``) on an accelerator are read in one stack and one
         copy (tokens counted from the labels); on the CPU each is read as it is. What a window the cadence does not measure needs: its counts only.
         """
+        if any(isinstance(v, LabelCount) for v in self._micro_size):
+            self._count_labels()
         tensors = [v for v in self._micro_size if isinstance(v, torch.Tensor)] + list(extra)
         if not tensors:
             return [float(v) for v in self._micro_size], []  # type: ignore[arg-type]
@@ -597,6 +636,16 @@ class GradStatsCollector:
         it = iter(read)
         sizes = [float(next(it)) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
         return sizes, [float(v) for v in it]
+
+    def _count_labels(self) -> None:
+        """Count the labels of the window's :class:`LabelCount` sizes (one operator pair each, run back to
+        back); labels changed in place since their microbatch are counted as they are now, and noted."""
+        sizes = self._micro_size
+        for i, v in enumerate(sizes):
+            if isinstance(v, LabelCount):
+                if v.labels._version != v.version:
+                    self.labels_changed += 1
+                sizes[i] = v.count()
 
     def pulled_window_sums(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
         """:meth:`host_window_sums` wherever the numbers live, and ``extra`` (0-d or one-element tensors) read
@@ -630,6 +679,7 @@ class GradStatsCollector:
         return _sums(sq_values, size_values)
 
     def reset_window(self) -> None:
+        self.labels_changed = 0
         self.own_seconds = 0.0
         self._micro_sq = []
         self._micro_size = []

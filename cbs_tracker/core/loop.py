@@ -21,8 +21,18 @@ import torch
 from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
-from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
-from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale_and_get_scale
+from cbs_tracker.core.collector import (
+    GradStatsCollector,
+    LabelCount,
+    StepStats,
+    adam_preconditioner,
+)
+from cbs_tracker.core.measure import (
+    LOSS_NORMALIZATIONS,
+    _reduce_counts,
+    reduce_window,
+    unscale_and_get_scale,
+)
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 
@@ -208,6 +218,11 @@ class LoopTracker:
         self._window_index = 0
         self._window_divisor = self.session.accumulation_steps
         self._measure = True  # the current window is measured (the cadence decides at its start)
+        self._counting = False  # ... and if not, its microbatches are only counted (_CountedMicrobatch)
+        self._lean = False  # ... and its step() is _step_counted
+        self._counted = _CountedMicrobatch(self)  # the one context of a counted microbatch, reused
+        # _sync_context is a nullcontext for every microbatch (a counted microbatch skips it)
+        self._sync_free = type(self)._sync_context is LoopTracker._sync_context
         self._in_microbatch = False
         self._step_norm: float | None = None  # the synced gradient's norm, while .grad is as step() saw it
 
@@ -413,7 +428,9 @@ class LoopTracker:
                 number >= 0 or a one-element tensor (kept on the device, checked when the
                 step reduces).
             labels: alternatively, the labels; tokens are counted as
-                ``labels != ignore_index`` (on the device).
+                ``labels != ignore_index`` (on the device). In a window the cadence does
+                not measure they are counted at :meth:`step` (no operator per microbatch):
+                labels changed in place before then are counted as they are, with a warning.
 
         Raises:
             TypeError: neither or both of ``size`` and ``labels``; a bool or a tensor of
@@ -423,24 +440,25 @@ class LoopTracker:
         """
         timing = self.session.timing  # "auto" times the window before a measured one (no clock otherwise)
         t0 = time.perf_counter() if timing else 0.0
-        name = type(self).__name__
         if (size is None) == (labels is None):
             raise TypeError(
-                f"{name}.microbatch(): pass exactly one of size= (units in this microbatch) or "
+                f"{type(self).__name__}.microbatch(): pass exactly one of size= (units in this microbatch) or "
                 "labels= (tokens counted as labels != ignore_index)"
             )
         if self._in_microbatch:
-            raise RuntimeError(f"{name}.microbatch(): microbatches cannot be nested")
-        if labels is not None:
-            n: float | torch.Tensor = (labels != self.ignore_index).sum()
-        else:
-            n = check_size(size, owner=f"{name}.microbatch")
+            raise RuntimeError(f"{type(self).__name__}.microbatch(): microbatches cannot be nested")
+        if size is not None and not (type(size) in _PLAIN_NUMBERS and 0 <= size < math.inf):
+            size = check_size(size, owner=f"{type(self).__name__}.microbatch")
         if self._window_index == 0 and not self._restarted:
             self._begin_window()
         self._restarted = False
-        if not self._measure and not timing and self.max_microbatch is None:
-            return _CountedMicrobatch(self, n)  # a window not measured: the counts only
-        return self._microbatch(n, timing, t0, name)
+        if self._counting and not timing:
+            # a window not measured: the counts only, the labels' tokens counted at step()
+            counted = self._counted
+            counted._size = size if labels is None else LabelCount(labels, self.ignore_index)  # type: ignore[assignment]
+            return counted
+        n = (labels != self.ignore_index).sum() if labels is not None else size
+        return self._microbatch(n, timing, t0, type(self).__name__)
 
     @contextmanager
     def _microbatch(self, n: float | torch.Tensor, timing: bool, t0: float, name: str) -> Iterator[None]:
@@ -481,11 +499,20 @@ class LoopTracker:
         self._set_layout()
         if self._measure:  # a window not measured reads no gradient: parameters are looked at when one is
             self._refresh_params()
+        self._counting = not self._measure and self.max_microbatch is None
+        if self._counting:
+            self.collector.pause()
+        # ... and its step() can take the counted path (one rank, no clock due, ...): known now
+        self._lean = self._counting and self.session.counted_step_ready(self._window_divisor)
         if self._memory is not None:
             self._memory_base = self._memory.allocated()
             self._memory.reset_peak()
 
     def _set_layout(self) -> None:
+        if self.max_microbatch is None and self._current_window is None:  # one loader batch per microbatch
+            self.session.micro_group = 1
+            self._window_divisor = self.session.accumulation_steps
+            return
         group = self._layout(self.session.accumulation_steps)
         self.session.micro_group = group
         self._window_divisor = self.session.accumulation_steps // group
@@ -570,6 +597,9 @@ class LoopTracker:
                 :attr:`accumulation_steps` (raised on every rank, before the optimizer can
                 step on gradients that were never all-reduced).
         """
+        if self._lean and not self._in_microbatch and self.collector.num_microbatches \
+                and not self.collector.hooks_fired_outside and self.session._record_current:
+            return self._step_counted()
         t0 = time.perf_counter() if self.session.timing else None
         name = type(self).__name__
         if self._in_microbatch:
@@ -607,6 +637,8 @@ class LoopTracker:
             measured=self._measure,
             proposed_every=self.session.cadence.proposal(),
         )
+        if self.collector.labels_changed:
+            self._warn_labels_changed()
         self.collector.reset_window()
         self._window_index = 0
         if self.max_microbatch is not None:
@@ -619,6 +651,36 @@ class LoopTracker:
             self.session.own_extra += time.perf_counter() - t0
         return self.session.finish_step(
             stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()
+        )
+
+    def _step_counted(self) -> StepRecord:
+        """:meth:`step` of a window the cadence does not measure, on one rank (the usual window of a
+        cadence): the counts reduced as :func:`reduce_window` reduces them, and the session's
+        :meth:`~cbs_tracker.core.session.TrackingSession.finish_counted`, without the general path's
+        work for norms, ranks and clocks (what a window that measures nothing costs is this)."""
+        if self.grad_scaler is not None:
+            self._loss_scale()  # the gradients are unscaled at step() in every window
+        divisor = float(self._window_divisor) if self.loss_normalization == "mean" and self.loss_divided_by_accumulation else 1.0
+        stats, faults = _reduce_counts(
+            self.collector, dp_group=self.dp_group, loss_divisor=divisor, avg_ranks=self._avg_ranks,
+            big_norm_is_sharded=self.big_norm_is_sharded, expected_microbatches=self._window_divisor,
+            normalization=self.loss_normalization, units_divisor=None, proposed_every=self.session.cadence.proposal(),
+            ranks=1,
+        )
+        if self.collector.labels_changed:
+            self._warn_labels_changed()
+        self.collector.reset_window()
+        self._window_index = 0
+        self._step_norm = None
+        return self.session.finish_counted(stats, faults, window_accumulation=self._window_divisor)
+
+    def _warn_labels_changed(self) -> None:
+        self.session.warn_once(
+            "labels_changed",
+            f"{type(self).__name__}: the labels of {self.collector.labels_changed} microbatch(es) of this window were "
+            "changed in place before step() (a reused label buffer?). In a window the tracker does not measure, "
+            "labels= are counted at step(), so their tokens were counted as the labels are now. Pass a fresh "
+            "tensor per microbatch, or size= (the microbatch's units).",
         )
 
     def set_lr(self, lr: float) -> None:
@@ -775,30 +837,38 @@ class LoopTracker:
         self.session.detach_scheduler()
 
 
+_PLAIN_NUMBERS = (int, float)
+
+
 class _CountedMicrobatch:
     """:meth:`LoopTracker.microbatch` in a window the cadence does not measure: no hook is on the
-    parameters, so the microbatch only counts (its gradient sync is switched as in any window)."""
+    parameters, so the microbatch only counts (its gradient sync is switched as in any window).
+    One per tracker, reused: :meth:`LoopTracker.microbatch` sets the size of the microbatch it opens
+    (microbatches do not nest)."""
 
     __slots__ = ("_tracker", "_size", "_sync")
 
-    def __init__(self, tracker: LoopTracker, size: float | torch.Tensor) -> None:
-        self._tracker, self._size = tracker, size
+    def __init__(self, tracker: LoopTracker) -> None:
+        self._tracker: LoopTracker = tracker
+        self._size: float | torch.Tensor | LabelCount = 0.0
+        self._sync: AbstractContextManager[Any] | None = None
 
     def __enter__(self) -> None:
         t = self._tracker
         t._step_norm = None
-        last = t._window_index >= t._window_divisor - 1
         t._in_microbatch = True
-        t.collector.begin_microbatch(measure=False)
-        self._sync = t._sync_context(last)
-        self._sync.__enter__()
+        if t._sync_free:
+            self._sync = None
+        else:
+            self._sync = t._sync_context(t._window_index >= t._window_divisor - 1)
+            self._sync.__enter__()
 
     def __exit__(self, *exc: Any) -> bool | None:
         t = self._tracker
         try:
-            return self._sync.__exit__(*exc)
+            return None if self._sync is None else self._sync.__exit__(*exc)
         finally:
-            t.collector.end_microbatch(self._size)
+            t.collector.count_microbatch(self._size)
             t._in_microbatch = False
             t._window_index += 1
 

@@ -74,6 +74,13 @@ class WindowFaults:
     replica_spread: float = 0.0
     shared_data: bool = False
 
+    @classmethod
+    def _of(cls, **values: Any) -> WindowFaults:
+        """``WindowFaults(**values)``, every field given, without the frozen dataclass's ``__setattr__``s."""
+        faults = object.__new__(cls)
+        faults.__dict__.update(values)
+        return faults
+
 
 #: The largest relative spread across the DP ranks of the synced gradient's squared norm that
 #: still counts as replicas agreeing. A synced gradient is the same all-reduce result on every
@@ -248,13 +255,15 @@ def _reduce_counts(
     normalization: str,
     units_divisor: torch.Tensor | float | None,
     proposed_every: float,
+    ranks: int | None = None,
 ) -> tuple[StepStats, WindowFaults]:
     """:func:`reduce_window` of a window the cadence does not measure: its counts only, on the host.
 
     No norm, no clock; the sizes given as tensors are read in one copy. The vector is the one
     :func:`reduce_window` reduces (the norms' entries 0, ``measured`` 0), so on several ranks it
     goes through the same ``all_reduce``: the ranks still check the window's size and agree on
-    the cadence.
+    the cadence. On one rank (``ranks=1`` when the caller knows it) the stats are read off the
+    counts directly, as :func:`_step_stats` would make them.
     """
     divisor_t = units_divisor if isinstance(units_divisor, torch.Tensor) else None
     sizes, read = collector.host_sizes(() if divisor_t is None else (divisor_t.reshape(()),))
@@ -277,12 +286,23 @@ def _reduce_counts(
     finite = math.isfinite(c) and math.isfinite(q)
     local_k = len(sizes)
     mismatched = float(expected_microbatches is not None and local_k not in (0, expected_microbatches))
+    ranks = cbs_dist.group_size(dp_group) if ranks is None else ranks
+    if ranks == 1:  # nothing to reduce: what _step_stats makes of this rank's vector, read off directly
+        if not finite:  # (the "group" scaling of c and q leaves c * c / q as it is)
+            c = q = 0.0
+        stats = StepStats._of(
+            small_sq_norm=0.0, big_sq_norm=0.0, num_microbatches=int(round(k)),
+            small_batch=(k / inv_b) if inv_b > 0 else 0.0, big_batch=(c * c / q) if q > 0 else 0.0, units=units,
+            finite=finite, synced_sq_norm=math.nan, measured=False, proposed_every=float(proposed_every),
+            own_seconds=0.0,
+        )
+        return stats, WindowFaults._of(mismatched_ranks=int(mismatched), invalid_sizes=int(invalid),
+                                       microbatches_run=local_k, replica_spread=0.0, shared_data=False)
     values = [
         0.0, k, inv_b, units, 0.0, 0.0 if finite else 1.0, 0.0, mismatched, invalid, float(local_k),
         c if finite else 0.0, q if finite else 0.0, 0.0, float(proposed_every),
         0.0, (c * c) if finite else 0.0, (q * q) if finite else 0.0, 0.0,
     ]
-    ranks = cbs_dist.group_size(dp_group)
     if ranks > 1:
         device = cbs_dist.reduction_device(dp_group, torch.device("cpu"))
         vec = torch.tensor(values, dtype=torch.float64).to(device)

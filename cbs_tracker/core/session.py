@@ -183,6 +183,7 @@ class TrackingSession:
         self.pending_accumulation: int | None = None
         self.coupling = 1.0
         self.last_record: StepRecord | None = None
+        self._record_current = False  # last_record tells the estimator's state (finish_counted may copy it)
         self.last_stats: StepStats | None = None
         self.last_decision: Any | None = None
         self.changed_this_step = False
@@ -354,6 +355,7 @@ class TrackingSession:
             lr_conversions=None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0),
         )
         self.last_record = record
+        self._record_current = True
         if self.logger is not None:
             self.logger.log(record)
         self._note_lr()
@@ -364,6 +366,56 @@ class TrackingSession:
         self.cadence.agree(stats.proposed_every)
         self._clock_due = self.cadence.clock_due()
         self.timing, self.own_extra = self.cadence.times_next(), 0.0  # known before the next window starts
+        return record
+
+    def counted_step_ready(self, window_accumulation: int) -> bool:
+        """Whether :meth:`finish_counted` can finish the window that just ran (not measured, one rank):
+        no clock is due, the controller decides on measured windows only, the window has two microbatches
+        or more (one alone warns), and the last record still tells the estimator's state."""
+        return (
+            not self._clock_due and not self.timing and self.dp_degree == 1 and self._record_current
+            and window_accumulation >= 2 and not getattr(self.controller, "every_window", False)
+        )
+
+    def finish_counted(self, stats: StepStats, faults: WindowFaults, *, window_accumulation: int) -> StepRecord:
+        """:meth:`finish_step` of a window not measured, when :meth:`counted_step_ready`: the same record and
+        state with what such a window changes only (the counts, the position, the learning rate); the
+        estimate and its interval are the last record's, which no window since has changed."""
+        self._check_outside_lr()
+        if faults.invalid_sizes or faults.mismatched_ranks:
+            self._check_faults(stats, faults, window_accumulation, False)
+        run = faults.microbatches_run or stats.num_microbatches
+        self._advance(stats, run, window_accumulation)
+        self.changed_this_step = False
+        groups = self.optimizer.param_groups if self.optimizer is not None else None
+        record = StepRecord._of(**{
+            **self.last_record.__dict__,  # type: ignore[union-attr]
+            "step": self.step,
+            "tokens_seen": self.units_seen,
+            "global_batch": stats.units,
+            "micro_batch": stats.units / max(stats.num_microbatches, 1),
+            "accumulation_steps": self._ran_per_rank(run, window_accumulation),
+            "lr": float(groups[0]["lr"]) if groups else None,
+            "step_grad_sq_norm": None,
+            "step_trace_cov": None,
+            "dropped": not stats.finite,
+            "measured": False,
+            "next_accumulation_steps": (
+                self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
+            ),
+            "scheduled_lr": self.scheduled_lr(),
+            "lr_coupling": self.coupling if self.optimizer is not None else None,
+            "critical_batch": getattr(self.last_decision, "critical_batch", None),
+            "kappa": getattr(self.controller, "kappa", None),
+            "lr_conversions": (
+                None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0)
+            ),
+        })
+        self.last_record = record
+        if self.logger is not None:
+            self.logger.log(record)
+        self._note_lr()
+        self._clock_due, self.timing = self.cadence.unmeasured_done(stats.proposed_every)
         return record
 
     def _note_lr(self) -> None:
@@ -710,6 +762,7 @@ class TrackingSession:
         where = f"{self.owner}.load_state_dict"
         if not isinstance(state, dict):
             raise TypeError(f"{where}: expected the dict from state_dict(), got {type(state).__name__}")
+        self._record_current = False  # the estimator is about to change: the next record reads it again
         required = ("version", "step", "tokens_seen", "accumulation_steps", "dp_degree", "estimator")
         missing = [k for k in required if k not in state]
         if missing:

@@ -1,0 +1,230 @@
+"""A window the cadence does not measure, on one rank, takes the short path (``_step_counted``): its
+labels are counted at ``step()``, its record is the last one's with the counts, the position and the
+learning rate moved on. The truth it must match is the general path (``reduce_window`` and
+``finish_step``), which the same run takes when the short path is switched off."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cbs_tracker import BatchSizeController, CBSTracker, NoiseScaleEstimator
+from cbs_tracker.core import loop as loop_module
+from cbs_tracker.core import session as session_module
+from cbs_tracker.core.loop import LoopTracker
+
+V, H, SEQ, ROWS = 16, 8, 6, 2
+
+
+def _lm(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V))
+
+
+def _batch(step: int, k: int):
+    """Tokens and labels of microbatch ``k`` of window ``step``: a varying share of the labels ignored,
+    and every label of microbatch 1 of window 5 ignored (a microbatch of padding only)."""
+    g = torch.Generator().manual_seed(1000 * step + k)
+    x = torch.randint(0, V, (ROWS, SEQ), generator=g)
+    y = torch.randint(0, V, (ROWS, SEQ), generator=g)
+    y[torch.rand(ROWS, SEQ, generator=g) < 0.1 + 0.05 * (k % 3)] = -100
+    if (step, k) == (5, 1):
+        y[:] = -100
+    return x, y
+
+
+class _Clock:
+    """A clock the test advances: each microbatch costs 1 s, each measured one 0.05 s more."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(steps: int, every, *, short_path: bool, clock: _Clock | None = None, rewind=None,
+         controller: bool = True, size: bool = False, normalization: str = "mean"):
+    """A tiny LM in a plain loop with an LR schedule and a controller that grows the batch; returns the
+    records, the tracker's state, the parameters and how many windows took the short path."""
+    taken = [0]
+    real = LoopTracker._step_counted
+
+    def counted(self):
+        taken[0] += 1
+        return real(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LoopTracker, "_step_counted", counted)
+        if not short_path:
+            mp.setattr(session_module.TrackingSession, "counted_step_ready", lambda self, acc: False)
+        return (*_loop(steps, every, clock, rewind, controller, size, normalization), taken[0])
+
+
+def _loop(steps, every, clock, rewind, controller, size, normalization):
+    model = _lm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.02 * s))
+    ctl = BatchSizeController(warmup_steps=4, warmup_tokens=200, cooldown_tokens=100, window=4, patience=2,
+                              kappa=4.0, max_accumulation_steps=8) \
+        if controller else None
+    tracker = CBSTracker(model, opt, accumulation_steps=2, controller=ctl, lr_scheduler=sched, measure_every=every,
+                         estimator=NoiseScaleEstimator(min_steps=3), loss_normalization=normalization)
+    records, saved, s = [], None, 0
+    while s < steps:
+        if rewind is not None and s == rewind[0]:
+            saved = (tracker.state_dict(), model.state_dict(), opt.state_dict(), sched.state_dict(), s)
+        for k in range(tracker.accumulation_steps):
+            x, y = _batch(s, k)
+            ctx = tracker.microbatch(size=float((y != -100).sum())) if size else tracker.microbatch(labels=y)
+            with ctx:
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1), ignore_index=-100,
+                                                   reduction="sum") / max(int((y != -100).sum()), 1)
+                (loss / tracker.accumulation_steps).backward()
+            if clock is not None:
+                clock.now += 1.0 + (0.05 if tracker._measure else 0.0)
+        records.append(tracker.step())
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        s += 1
+        if rewind is not None and s == rewind[1] and saved is not None:  # back to the saved window, same tracker
+            state, m, o, sc, s = saved
+            tracker.load_state_dict(state)
+            model.load_state_dict(m)
+            opt.load_state_dict(o)
+            sched.load_state_dict(sc)
+            rewind = None
+    params = [p.detach().clone() for p in model.parameters()]
+    return records, tracker.state_dict(), params
+
+
+def _same(a, b, where=""):
+    """Equal, NaN equal to NaN, through dicts, lists and dataclasses."""
+    if dataclasses.is_dataclass(a):
+        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=where)
+    elif isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b and type(a) is type(b), (where, a, b)
+
+
+@pytest.mark.parametrize("every", [3, "auto"])
+def test_the_short_path_gives_the_general_paths_records_state_and_weights(monkeypatch, every):
+    clock = _Clock() if every == "auto" else None
+    if clock is not None:
+        monkeypatch.setattr(session_module.time, "perf_counter", clock)
+    steps = 40 if clock is None else 60
+    short = _run(steps, every, short_path=True, clock=clock)
+    if clock is not None:
+        clock.now = 0.0
+    general = _run(steps, every, short_path=False, clock=clock)
+    assert general[3] == 0 and short[3] >= 15  # the short path ran in most windows (and not when switched off)
+    records = short[0]
+    assert any(not r.measured for r in records) and any(r.measured for r in records)
+    assert len({r.accumulation_steps for r in records}) > 1  # the controller grew the batch during the run
+    assert len({r.lr for r in records}) > 30  # the schedule moved the LR in every window
+    _same(short[0], general[0], "records")
+    _same(short[1], general[1], "state")
+    _same(short[2], general[2], "params")
+
+
+def test_the_short_path_after_a_rewind_and_with_sizes_and_without_a_controller():
+    """A state loaded into the same tracker in the middle of the run (the last record is then not the
+    estimator's: the next window takes the general path); sizes given as numbers; no controller."""
+    for kw in ({"rewind": (7, 14)}, {"size": True}, {"controller": False}, {"normalization": "window"},
+               {"normalization": "group"}):
+        short = _run(24, 3, short_path=True, **kw)
+        general = _run(24, 3, short_path=False, **kw)
+        assert short[3] >= 10, kw
+        _same(short[0], general[0], f"records {kw}")
+        _same(short[1], general[1], f"state {kw}")
+        _same(short[2], general[2], f"params {kw}")
+
+
+def test_labels_changed_in_place_before_the_step_are_counted_as_they_are_then_and_warned():
+    """Labels are counted at step() in a window not measured: a loop reusing one label buffer is told,
+    with how many microbatches were changed; the tokens are what the buffer holds at step()."""
+    model = _lm()
+    tracker = CBSTracker(model, accumulation_steps=3, measure_every=4)
+    buffer = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    records = []
+    with pytest.warns(UserWarning, match=r"labels of 2 microbatch\(es\) of this window were changed in place"):
+        for s in range(2):
+            for k in range(3):
+                x, y = _batch(s, k)
+                buffer.copy_(y)
+                with tracker.microbatch(labels=buffer):
+                    loss = nn.functional.cross_entropy(model(x).reshape(-1, V), buffer.reshape(-1))
+                    (loss / 3).backward()
+            records.append(tracker.step())
+            model.zero_grad(set_to_none=True)
+    assert [r.measured for r in records] == [True, False]
+    last = int((_batch(1, 2)[1] != -100).sum())
+    assert records[1].global_batch == 3 * last  # three counts of the buffer as it was at step()
+
+
+def test_the_short_path_is_not_taken_where_the_general_one_must_run(monkeypatch):
+    """A clock due ("auto" timing the window before a measured one), one microbatch per window, a
+    controller deciding on every window: the general path, whose record the short one copies."""
+    taken = [0]
+    real = LoopTracker._step_counted
+    monkeypatch.setattr(LoopTracker, "_step_counted", lambda self: taken.__setitem__(0, taken[0] + 1) or real(self))
+    model = _lm()
+    tracker = CBSTracker(model, accumulation_steps=1, measure_every=3)
+    with pytest.warns(UserWarning, match="single microbatch"):
+        for s in range(9):
+            x, y = _batch(s, 0)
+            with tracker.microbatch(labels=y):
+                nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1)).backward()
+            tracker.step()
+    assert taken[0] == 0 and tracker.session.step == 9
+
+
+def test_a_counted_microbatch_keeps_the_sync_context_of_an_adapter_that_has_one():
+    """An adapter with its own gradient-sync context (DDP's no_sync, Accelerate's) gets it in a window not
+    measured too, entered on every microbatch but the window's last."""
+    seen = []
+
+    class Synced(CBSTracker):
+        def _sync_context(self, last):
+            seen.append(last)
+            return super()._sync_context(last)
+
+    class Own(LoopTracker):  # an adapter of its own (FSDPTracker's kind) with a sync context
+        def _sync_context(self, last):
+            seen.append(last)
+            return super()._sync_context(last)
+
+    for kind in (Synced, Own):
+        _count_syncs(kind)
+    assert seen == 2 * [False, False, True, False, False, True]
+    assert CBSTracker(_lm(), measure_every=2)._sync_free and LoopTracker(_lm(), measure_every=2)._sync_free
+
+
+def _count_syncs(kind):
+    model = _lm()
+    tracker = kind(model, accumulation_steps=3, measure_every=2)
+    assert not tracker._sync_free
+    for s in range(2):
+        for k in range(3):
+            x, y = _batch(s, k)
+            with tracker.microbatch(labels=y):
+                nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1)).backward()
+        assert tracker.step().measured == (s == 0)
+    assert isinstance(tracker._counted, loop_module._CountedMicrobatch)
