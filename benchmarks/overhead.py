@@ -204,13 +204,14 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
     def norms_pass():
         _norm_pass(model.parameters())
 
+    left_off = _hooks_off(tracker)
     for name, fn in originals.items():
         setattr(GradStatsCollector, name, timed(fn))
     try:
         for i in range(2 * args.attribution_steps + 2):
             tracked = i % 2 == 1
             if tracked:
-                tracker._register_hooks()
+                _hooks_back(tracker, left_off)
             batches = [stream.next_batch(args.micro_sequences) for _ in range(args.accumulation)]
             batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
             _sync(args)
@@ -235,7 +236,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             _sync(args)
             total = time.perf_counter() - t0
             if tracked:
-                tracker.remove_hooks()
+                left_off = _hooks_off(tracker)
             if i < 2:  # one untimed step of each first
                 continue
             if tracked:
@@ -255,6 +256,23 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             out[f"tracker_{name}_s"] = statistics.median(values)
             out[f"tracker_{name}_fraction"] = statistics.median(values) / step
     return out
+
+
+def _hooks_off(tracker) -> bool:
+    """Take the tracker's hooks off the parameters for untracked steps (as the tracker itself does in a window
+    it does not measure); returns whether the tracker had left them off after its last window."""
+    if tracker.collector.num_hooks == 0:
+        tracker._register_hooks()
+    left_off = tracker.collector._detached is not None
+    tracker.collector._detach_hooks()
+    return left_off
+
+
+def _hooks_back(tracker, left_off: bool) -> None:
+    """Before a tracked step: the hooks as the tracker left them (a run of tracked steps puts them back only
+    when a window is measured; re-registering them every time would charge their removal to the next window)."""
+    if not left_off:
+        tracker.collector._attach_hooks()
 
 
 def _timed(args, work) -> float:
@@ -346,7 +364,6 @@ def main() -> int:
         tracker._register_hooks()
         for _ in range(40 if args.measure_every == "auto" else 0):
             _step(model, optimizer, stream, args, tracker)
-        tracker.remove_hooks()
         cadence = tracker.session.cadence
         per = max(per, cadence.every)
         per = -(-per // cadence.every) * cadence.every
@@ -358,6 +375,7 @@ def main() -> int:
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
     unmeasured: list[float] = []  # the tracked steps whose window was not measured
+    left_off = _hooks_off(tracker)
     for r in range(args.rounds + 1):
         # rotate (and reverse every other round) the order inside a round, so drift favours no variant
         shift = r % len(variants)
@@ -367,7 +385,7 @@ def main() -> int:
         for variant in order:
             tracked = variant.startswith("tracker")
             if tracked:
-                tracker._register_hooks()
+                _hooks_back(tracker, left_off)
             for _ in range(per):
                 cpu_t: list[float] = []
                 t = _step(model, optimizer, stream, args, tracker if tracked else None, cpu_times=cpu_t,
@@ -378,7 +396,7 @@ def main() -> int:
                     if variant == "tracker" and not tracker.last_record.measured:
                         unmeasured.append(t)
             if tracked:
-                tracker.remove_hooks()
+                left_off = _hooks_off(tracker)
     paired = [statistics.fmean(times["tracker"][i:i + per]) / statistics.fmean(times["plain"][i:i + per])
               for i in range(0, len(times["plain"]), per)]
     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
