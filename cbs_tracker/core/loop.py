@@ -29,7 +29,7 @@ from cbs_tracker.core.collector import (
 )
 from cbs_tracker.core.measure import (
     LOSS_NORMALIZATIONS,
-    _reduce_counts,
+    count_window,
     reduce_window,
     unscale_and_get_scale,
 )
@@ -661,11 +661,9 @@ class LoopTracker:
         if self.grad_scaler is not None:
             self._loss_scale()  # the gradients are unscaled at step() in every window
         divisor = float(self._window_divisor) if self.loss_normalization == "mean" and self.loss_divided_by_accumulation else 1.0
-        stats, faults = _reduce_counts(
-            self.collector, dp_group=self.dp_group, loss_divisor=divisor, avg_ranks=self._avg_ranks,
-            big_norm_is_sharded=self.big_norm_is_sharded, expected_microbatches=self._window_divisor,
-            normalization=self.loss_normalization, units_divisor=None, proposed_every=self.session.cadence.proposal(),
-            ranks=1,
+        stats, faults = count_window(
+            self.collector, loss_divisor=divisor, avg_ranks=self._avg_ranks, expected_microbatches=self._window_divisor,
+            normalization=self.loss_normalization, proposed_every=self.session.cadence.proposal(),
         )
         if self.collector.labels_changed:
             self._warn_labels_changed()

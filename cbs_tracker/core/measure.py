@@ -255,15 +255,13 @@ def _reduce_counts(
     normalization: str,
     units_divisor: torch.Tensor | float | None,
     proposed_every: float,
-    ranks: int | None = None,
 ) -> tuple[StepStats, WindowFaults]:
     """:func:`reduce_window` of a window the cadence does not measure: its counts only, on the host.
 
     No norm, no clock; the sizes given as tensors are read in one copy. The vector is the one
     :func:`reduce_window` reduces (the norms' entries 0, ``measured`` 0), so on several ranks it
     goes through the same ``all_reduce``: the ranks still check the window's size and agree on
-    the cadence. On one rank (``ranks=1`` when the caller knows it) the stats are read off the
-    counts directly, as :func:`_step_stats` would make them.
+    the cadence. (:func:`count_window` is its one-rank short cut.)
     """
     divisor_t = units_divisor if isinstance(units_divisor, torch.Tensor) else None
     sizes, read = collector.host_sizes(() if divisor_t is None else (divisor_t.reshape(()),))
@@ -286,18 +284,7 @@ def _reduce_counts(
     finite = math.isfinite(c) and math.isfinite(q)
     local_k = len(sizes)
     mismatched = float(expected_microbatches is not None and local_k not in (0, expected_microbatches))
-    ranks = cbs_dist.group_size(dp_group) if ranks is None else ranks
-    if ranks == 1:  # nothing to reduce: what _step_stats makes of this rank's vector, read off directly
-        if not finite:  # (the "group" scaling of c and q leaves c * c / q as it is)
-            c = q = 0.0
-        stats = StepStats._of(
-            small_sq_norm=0.0, big_sq_norm=0.0, num_microbatches=int(round(k)),
-            small_batch=(k / inv_b) if inv_b > 0 else 0.0, big_batch=(c * c / q) if q > 0 else 0.0, units=units,
-            finite=finite, synced_sq_norm=math.nan, measured=False, proposed_every=float(proposed_every),
-            own_seconds=0.0,
-        )
-        return stats, WindowFaults._of(mismatched_ranks=int(mismatched), invalid_sizes=int(invalid),
-                                       microbatches_run=local_k, replica_spread=0.0, shared_data=False)
+    ranks = cbs_dist.group_size(dp_group)
     values = [
         0.0, k, inv_b, units, 0.0, 0.0 if finite else 1.0, 0.0, mismatched, invalid, float(local_k),
         c if finite else 0.0, q if finite else 0.0, 0.0, float(proposed_every),
@@ -308,6 +295,48 @@ def _reduce_counts(
         vec = torch.tensor(values, dtype=torch.float64).to(device)
         values = cbs_dist.all_reduce_sum(vec, dp_group).tolist()
     return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks, replicas=not big_norm_is_sharded)
+
+
+def count_window(
+    collector: GradStatsCollector, *, loss_divisor: float, avg_ranks: int, expected_microbatches: int,
+    normalization: str, proposed_every: float,
+) -> tuple[StepStats, WindowFaults]:
+    """:func:`_reduce_counts` on one rank, without a units divisor: the same stats and faults, read off
+    the sizes directly (what :func:`_step_stats` makes of the one rank's vector), for the window of a
+    cadence that is not measured (``tests/test_counted_step.py`` holds it equal to the general path)."""
+    sizes, _ = collector.host_sizes()  # (on an accelerator in one copy)
+    k = inv_b = units = 0.0
+    invalid = 0
+    for b in sizes:
+        if not (b >= 0.0 and b < math.inf):  # negative, nan or infinite
+            invalid += 1
+        elif b > 0.0:
+            k += 1.0
+            inv_b += 1.0 / b
+            units += b
+    a = float(loss_divisor)
+    if normalization == "mean":
+        c, q = k / a, inv_b / (a * a)
+    else:
+        d = units if normalization == "window" and units > 0 else 1.0
+        c, q = units / (d * a), units / (d * a) ** 2
+    finite = math.isfinite(c) and math.isfinite(q)
+    if not finite:
+        c = q = 0.0
+    elif normalization == "group" and units > 0:  # as _step_stats scales them (c * c / q the same, bit for bit)
+        d = units / avg_ranks
+        c, q = c / d, q / (d * d)
+    local_k = len(sizes)
+    stats = StepStats._of(
+        small_sq_norm=0.0, big_sq_norm=0.0, num_microbatches=int(round(k)),
+        small_batch=(k / inv_b) if inv_b > 0 else 0.0, big_batch=(c * c / q) if q > 0 else 0.0, units=units,
+        finite=finite, synced_sq_norm=math.nan, measured=False, proposed_every=float(proposed_every), own_seconds=0.0,
+    )
+    faults = WindowFaults._of(
+        mismatched_ranks=int(local_k not in (0, expected_microbatches)), invalid_sizes=invalid,
+        microbatches_run=local_k, replica_spread=0.0, shared_data=False,
+    )
+    return stats, faults
 
 
 def _own_seconds(collector: GradStatsCollector, measured: bool, started: float | None) -> float:
