@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import types
 from typing import Any
 
@@ -30,3 +32,27 @@ class PlanController:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def assert_same(a: Any, b: Any, where: str = "", *, exact_types: bool = False) -> None:
+    """Equal exactly, through dicts, lists, tuples and dataclasses: tensors bit for bit, NaN equal to NaN
+    (``exact_types``: numbers of the same type too, 1 is not 1.0)."""
+    import torch
+
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        assert dataclasses.is_dataclass(b), where
+        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}", exact_types=exact_types)
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]", exact_types=exact_types)
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), f"{where}: {a!r} != {b!r}"
+    else:
+        assert a == b and (not exact_types or type(a) is type(b)), f"{where}: {a!r} != {b!r}"

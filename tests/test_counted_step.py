@@ -5,9 +5,6 @@ learning rate moved on. The truth it must match is the general path (``reduce_wi
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -16,6 +13,7 @@ from cbs_tracker import BatchSizeController, CBSTracker, NoiseScaleEstimator
 from cbs_tracker.core import loop as loop_module
 from cbs_tracker.core import session as session_module
 from cbs_tracker.core.loop import LoopTracker
+from tests.doubles import assert_same
 
 V, H, SEQ, ROWS = 16, 8, 6, 2
 
@@ -104,26 +102,6 @@ def _loop(steps, every, clock, rewind, controller, size, normalization):
     return records, tracker.state_dict(), params
 
 
-def _same(a, b, where=""):
-    """Equal, NaN equal to NaN, through dicts, lists and dataclasses."""
-    if dataclasses.is_dataclass(a):
-        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=where)
-    elif isinstance(a, float) and isinstance(b, float) and math.isnan(a):
-        assert math.isnan(b), where
-    else:
-        assert a == b and type(a) is type(b), (where, a, b)
-
-
 @pytest.mark.parametrize("every", [3, "auto"])
 def test_the_short_path_gives_the_general_paths_records_state_and_weights(monkeypatch, every):
     clock = _Clock() if every == "auto" else None
@@ -139,9 +117,9 @@ def test_the_short_path_gives_the_general_paths_records_state_and_weights(monkey
     assert any(not r.measured for r in records) and any(r.measured for r in records)
     assert len({r.accumulation_steps for r in records}) > 1  # the controller grew the batch during the run
     assert len({r.lr for r in records}) > 30  # the schedule moved the LR in every window
-    _same(short[0], general[0], "records")
-    _same(short[1], general[1], "state")
-    _same(short[2], general[2], "params")
+    assert_same(short[0], general[0], "records", exact_types=True)
+    assert_same(short[1], general[1], "state", exact_types=True)
+    assert_same(short[2], general[2], "params", exact_types=True)
 
 
 def test_the_short_path_after_a_rewind_and_with_sizes_and_without_a_controller():
@@ -152,9 +130,9 @@ def test_the_short_path_after_a_rewind_and_with_sizes_and_without_a_controller()
         short = _run(24, 3, short_path=True, **kw)
         general = _run(24, 3, short_path=False, **kw)
         assert short[3] >= 10, kw
-        _same(short[0], general[0], f"records {kw}")
-        _same(short[1], general[1], f"state {kw}")
-        _same(short[2], general[2], f"params {kw}")
+        assert_same(short[0], general[0], f"records {kw}", exact_types=True)
+        assert_same(short[1], general[1], f"state {kw}", exact_types=True)
+        assert_same(short[2], general[2], f"params {kw}", exact_types=True)
 
 
 def test_labels_changed_in_place_before_the_step_are_counted_as_they_are_then_and_warned():

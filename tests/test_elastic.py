@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from tests.doubles import assert_same
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "elastic_ddp.py"
 RUN = [
@@ -132,22 +134,6 @@ def _load(path: Path | str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _assert_same(a, b, where: str) -> None:
-    """Nested checkpoint contents equal exactly (tensors bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def test_a_lost_node_resumes_on_the_survivor_with_the_reference_batch_lr_and_state(tmp_path):
     ckpt_dir, log = tmp_path / "ckpt", tmp_path / "elastic.jsonl"
     port = _free_port()
@@ -229,7 +215,7 @@ def test_a_lost_node_resumes_on_the_survivor_with_the_reference_batch_lr_and_sta
     assert last[-1] == ref_events[-1]
     # the final state: tracker (estimate, controller, accumulation, tokens, schedule), weights, optimizer, stream
     final, ref_final = _load(ckpt_dir / f"ckpt-{last[-1]['step']:06d}.pt"), _load(ref_dir / f"ckpt-{ref_events[-1]['step']:06d}.pt")
-    _assert_same(final, ref_final, "checkpoint")
+    assert_same(final, ref_final, "checkpoint")
     assert final["tracker"]["dp_degree"] == 1 and final["tracker"]["tokens_seen"] == last[-1]["tokens_seen"]
     # the reference kept its last two checkpoints (--keep 2) and left no temporary file
     assert len(list(ref_dir.glob("ckpt-*.pt"))) == 2 and not list(ref_dir.glob("*.tmp"))

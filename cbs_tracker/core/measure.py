@@ -265,22 +265,10 @@ def _reduce_counts(
     """
     divisor_t = units_divisor if isinstance(units_divisor, torch.Tensor) else None
     sizes, read = collector.host_sizes(() if divisor_t is None else (divisor_t.reshape(()),))
-    k = inv_b = units = invalid = 0.0
-    for b in sizes:
-        if not (b >= 0.0 and b < math.inf):  # negative, nan or infinite
-            invalid += 1.0
-        elif b > 0.0:
-            k += 1.0
-            inv_b += 1.0 / b
-            units += b
-    a = float(loss_divisor)
+    k, inv_b, units, invalid = _size_sums(sizes)
     group = normalization == "group"
-    if normalization == "mean":
-        c, q = k / a, inv_b / (a * a)
-    else:
-        d = 1.0 if group else (units if units_divisor is None else (read[0] if read else float(units_divisor)))
-        d = d if units > 0 else 1.0
-        c, q = units / (d * a), units / (d * a) ** 2
+    window_divisor = units if units_divisor is None else (read[0] if read else float(units_divisor))
+    c, q = _count_moments(normalization, k, inv_b, units, float(loss_divisor), window_divisor)
     finite = math.isfinite(c) and math.isfinite(q)
     local_k = len(sizes)
     mismatched = float(expected_microbatches is not None and local_k not in (0, expected_microbatches))
@@ -297,6 +285,29 @@ def _reduce_counts(
     return _step_stats(values, avg_ranks=avg_ranks, group=group, ranks=ranks, replicas=not big_norm_is_sharded)
 
 
+def _size_sums(sizes: list[float]) -> tuple[float, float, float, float]:
+    """``(K, sum 1/b, units, invalid)`` of a window's microbatch sizes (an empty microbatch counts in none)."""
+    k = inv_b = units = invalid = 0.0
+    for b in sizes:
+        if not (b >= 0.0 and b < math.inf):  # negative, nan or infinite
+            invalid += 1.0
+        elif b > 0.0:
+            k += 1.0
+            inv_b += 1.0 / b
+            units += b
+    return k, inv_b, units, invalid
+
+
+def _count_moments(normalization: str, k: float, inv_b: float, units: float, a: float,
+                   window_divisor: float) -> tuple[float, float]:
+    """``(C, Q)`` of a window from its counts alone: the sums of the loss weights and their squares
+    (``window_divisor``: the units a ``"window"`` loss is divided by; ``"group"`` is scaled later)."""
+    if normalization == "mean":
+        return k / a, inv_b / (a * a)
+    d = (1.0 if normalization == "group" else window_divisor) if units > 0 else 1.0
+    return units / (d * a), units / (d * a) ** 2
+
+
 def count_window(
     collector: GradStatsCollector, *, loss_divisor: float, avg_ranks: int, expected_microbatches: int,
     normalization: str, proposed_every: float,
@@ -305,21 +316,8 @@ def count_window(
     the sizes directly (what :func:`_step_stats` makes of the one rank's vector), for the window of a
     cadence that is not measured (``tests/test_counted_step.py`` holds it equal to the general path)."""
     sizes, _ = collector.host_sizes()  # (on an accelerator in one copy)
-    k = inv_b = units = 0.0
-    invalid = 0
-    for b in sizes:
-        if not (b >= 0.0 and b < math.inf):  # negative, nan or infinite
-            invalid += 1
-        elif b > 0.0:
-            k += 1.0
-            inv_b += 1.0 / b
-            units += b
-    a = float(loss_divisor)
-    if normalization == "mean":
-        c, q = k / a, inv_b / (a * a)
-    else:
-        d = units if normalization == "window" and units > 0 else 1.0
-        c, q = units / (d * a), units / (d * a) ** 2
+    k, inv_b, units, invalid = _size_sums(sizes)
+    c, q = _count_moments(normalization, k, inv_b, units, float(loss_divisor), units)
     finite = math.isfinite(c) and math.isfinite(q)
     if not finite:
         c = q = 0.0
@@ -333,7 +331,7 @@ def count_window(
         finite=finite, synced_sq_norm=math.nan, measured=False, proposed_every=float(proposed_every), own_seconds=0.0,
     )
     faults = WindowFaults._of(
-        mismatched_ranks=int(local_k not in (0, expected_microbatches)), invalid_sizes=invalid,
+        mismatched_ranks=int(local_k not in (0, expected_microbatches)), invalid_sizes=int(invalid),
         microbatches_run=local_k, replica_spread=0.0, shared_data=False,
     )
     return stats, faults
