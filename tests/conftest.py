@@ -1,0 +1,48 @@
+"""Test order and threads for ``pytest -n 2 --dist loadfile`` on two cores.
+
+Order: the longest files first. xdist hands whole files to the two workers; by default it orders
+them by their number of tests (``--no-loadscope-reorder``, in ``pyproject.toml``, turns that off),
+which put the long multi-process files, few tests each, last, and one worker ran them alone for
+minutes. Longest first, the short files fill in at the end. The list is the files that took
+longest in a full run (``--durations``); order only, every test still runs.
+
+Threads: one intra-op thread per process unless ``OMP_NUM_THREADS`` says otherwise (two workers
+and their spawned ranks on two cores: more threads only contend; inherited by the subprocesses).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+LONGEST_FIRST = (
+    "test_examples_loops.py",
+    "test_estimator_accuracy.py",
+    "test_estimator_frozen_regression.py",
+    "test_examples_lightning.py",
+    "test_resume_ranks_lightning.py",
+    "test_resume_ranks_hf.py",
+    "test_resume_ranks.py",
+    "test_gpt_proof.py",
+    "test_batch_schedule_lightning.py",
+    "test_transformers.py",
+    "test_torchrun_examples.py",
+    "test_elastic.py",
+    "test_padded.py",
+    "test_distributed.py",
+    "test_decisions_on_noise.py",
+    "test_microbatch_first_dist.py",
+    "test_batch_schedule_hf.py",
+    "test_tracking.py",
+)
+_RANK = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: _RANK.get(Path(str(item.fspath)).name, len(_RANK)))  # stable: a file keeps its order
