@@ -517,7 +517,7 @@ def _reference_window(window):
         chosen = list(acc)
     total = [sum(b[i] for b in window.blocks) for i in range(win._FIELDS)]
     kept = (window.window, window.extended)
-    window._settle(chosen, capped, total)
+    window._settle(chosen, capped, lambda: total)
     result = (window.window, window.extended)
     window.window, window.extended = kept
     return result
@@ -543,6 +543,143 @@ def test_window_choice_matches_the_plain_loop_reference():
         kinds.add((fast_extended, est.window_steps < est.steps))
     # both outcomes were exercised: the whole run (older data agree) and a cut window
     assert (True, False) in kinds and (False, True) in kinds
+
+
+def _vectorised_choice(window):
+    """The window choice as the library made it before it priced candidates one at a time: every
+    candidate priced at once in NumPy (each formula a vectorised expression). Returns
+    ``(window sums, extended)`` and leaves ``window`` as it was."""
+    from cbs_tracker.core import window as win
+    from cbs_tracker.core.intervals import fieller_intervals, student_quantile
+
+    F = win._FIELDS
+    sums = np.cumsum(np.asarray(window.blocks, dtype=float)[::-1, :F], axis=0)
+    steps = sums[:, win.STEPS]
+    before = np.concatenate(([0.0], steps[:-1]))
+    allowed = (before < window.min_steps) | (steps <= window.max_fraction * window.steps)
+    n = len(steps) if allowed.all() else int(np.argmin(allowed))
+    capped = n < len(steps)
+    s, x0, scale = sums[:n], window.position, window.agreement
+    w, w2 = s[:, win.W], s[:, win.W2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n_eff = w * w / w2
+        ok = (w > 0) & (w2 > 0) & (n_eff > 1.0)
+        g, t = s[:, win.SG] / w, s[:, win.ST] / w
+        norm = n_eff / (n_eff - 1.0) / (w * w)
+        v_gg = np.maximum(s[:, win.QGG] - 2 * g * s[:, win.LG] + g * g * w2, 0.0) * norm
+        v_tt = np.maximum(s[:, win.QTT] - 2 * t * s[:, win.LT] + t * t * w2, 0.0) * norm
+        v_gt = (s[:, win.QGT] - g * s[:, win.LT] - t * s[:, win.LG] + g * t * w2) * norm
+        low, high = fieller_intervals(t, g, v_tt, v_gg, v_gt, scale * student_quantile(n_eff - 1.0))
+        a = s[:, win.SG]
+        b = s[:, win.GX] - x0 * a
+        d = s[:, win.GXX] - 2 * x0 * s[:, win.GX] + x0 * x0 * a
+        det = a * d - b * b
+        trend = (ok & (g > 0) & (v_gg <= (win.TREND_MAX_REL_SE * g) ** 2) & (s[:, win.STEPS] >= 4) & (a > 0)
+                 & (det > 1e-12 * a * d))
+        y0, y1 = s[:, win.ST], s[:, win.TX] - x0 * s[:, win.ST]
+        b0 = (d * y0 - b * y1) / det
+        level = s[:, win.ST] / a
+        rho = np.maximum(s[:, win.QTT] - 2 * level * s[:, win.QGT] + level * level * s[:, win.QGG], 0.0) / w2
+        rho = rho * n_eff / np.maximum(n_eff - 2.0, 1.0)
+        s01 = s[:, win.W2X] - x0 * w2
+        s11 = s[:, win.W2XX] - 2 * x0 * s[:, win.W2X] + x0 * x0 * w2
+        se = np.sqrt(np.maximum(rho * (d * d * w2 - 2 * d * b * s01 + b * b * s11) / (det * det), 0.0))
+        half = scale * student_quantile(np.maximum(n_eff - 2.0, 1.0)) * se
+        low = np.where(trend, b0 - half, low)
+        high = np.where(trend, b0 + half, high)
+    low, high = np.where(ok, low, np.nan), np.where(ok, high, np.nan)
+    valid = (steps[:n] >= window.min_steps) & ~np.isnan(low)
+    run_low = np.maximum.accumulate(np.where(valid, low, -np.inf))
+    run_high = np.minimum.accumulate(np.where(valid, high, np.inf))
+    prev_low = np.concatenate(([-np.inf], run_low[:-1]))
+    prev_high = np.concatenate(([np.inf], run_high[:-1]))
+    disjoint = valid & ((low > prev_high) | (high < prev_low))
+    stop, capped = (int(np.argmax(disjoint)), False) if disjoint.any() else (n, capped)
+    agreeing = np.flatnonzero(valid[:stop])
+    chosen = None if agreeing.size == 0 else sums[agreeing[-1]].tolist()
+    kept = (window.window, window.extended)
+    window._settle(chosen, capped, lambda: sums[-1].tolist())
+    result = (window.window, window.extended)
+    window.window, window.extended = kept
+    return result
+
+
+@pytest.mark.parametrize("seed, fraction", [(11, 0.35), (12, 0.375)])
+def test_window_choice_is_the_vectorised_one_exactly(seed, fraction):
+    # candidates priced one at a time in Python floats choose the same window, to the last bit of its
+    # sums, as every candidate priced at once in NumPy, on streams with a level shift, a drift, a batch
+    # doubling and a noise that makes the window cut, hit its cap and be joined by the older data
+    # (a cap of 0.375 of the steps is a whole number every 8 steps: candidates end exactly on it)
+    rng = np.random.default_rng(seed)
+    est = NoiseScaleEstimator(max_window_fraction=fraction)
+    kinds, cut_or_capped = set(), 0
+    for i in range(2500):
+        g2 = 1.0 if i < 900 else 0.2 * (1 + (i - 900) / 800)
+        n = 8.0 if i < 1800 else 16.0
+        est.update(g2 + 64 / (n / 2) + rng.normal(0, 2), g2 + 64 / n + rng.normal(0, 1), n / 2, n)
+        window = est._window
+        if window.window is None:
+            continue
+        ref, ref_extended = _vectorised_choice(window)
+        assert window.window == ref, i  # lists of floats: equal element for element
+        assert window.extended == ref_extended
+        kinds.add((window.extended, est.window_steps < est.steps))
+        cut_or_capped += est.window_steps < est.steps
+    assert (True, False) in kinds and (False, True) in kinds
+    assert cut_or_capped > 100
+
+
+def test_window_reaches_its_cap_exactly():
+    # 20 steps at |G|^2 = 5, then 12 at 1: with the cap at 0.375 x 32 = 12 steps, the window is the
+    # newest 12 steps exactly (a candidate that ends on the cap is allowed), as the vectorised form says
+    from cbs_tracker.core import window as win
+
+    w = win.DriftWindow(per_level=4, max_fraction=0.375, agreement=2.0 / win_z(), extend_threshold=3.0 / win_z(),
+                        min_steps=10, scale_steps=8.0)
+    rng = np.random.default_rng(0)
+    for i in range(32):
+        g = (5.0 if i < 20 else 1.0) * (1 + 0.01 * rng.normal())
+        t = 100.0 * (1 + 0.01 * rng.normal())
+        w.add(g, t, 16.0, g + t / 8)
+    assert w.window_steps == 12 and not w.extended
+    assert (w.window, w.extended) == _vectorised_choice(w)
+
+
+def win_z():
+    from cbs_tracker.core.intervals import Z
+
+    return Z
+
+
+def test_scalar_interval_and_quantile_are_the_array_forms_exactly():
+    # the Python-float forms the window prices its candidates with against the NumPy array forms:
+    # every branch of Fieller's set (bounded, a = 0, a < 0 < c, c <= 0) and non-finite inputs
+    from cbs_tracker.core.intervals import fieller_interval, fieller_intervals, student_quantile
+
+    rng = np.random.default_rng(5)
+    cases = [(t, g, vt, vg, c, q) for t, g, vt, vg, c, q in rng.normal(1.0, 1.0, (4000, 6)).tolist()]
+    cases = [(t, g, abs(vt), abs(vg), c, abs(q) + 0.1) for t, g, vt, vg, c, q in cases]
+    cases += [(1.0, 2.0, 0.5, 4.0, 0.0, 1.0), (1.0, 2.0, 0.5, 4.0, 0.0, 1.0), (-1.0, 2.0, 0.5, 4.0, 0.0, 1.0),
+              (4.0, 1.0, 1.0, 4.0, 0.0, 1.0), (float("nan"), 1.0, 1.0, 1.0, 0.0, 1.0), (1.0, float("inf"), 1.0, 1.0, 0.0, 1.0)]
+    kinds = set()
+    for t, g, vt, vg, c, q in cases:
+        low, high = fieller_interval(t, g, vt, vg, c, q)
+        with np.errstate(invalid="ignore"):  # (the infinite case)
+            a_low, a_high = (float(x[0]) for x in fieller_intervals(np.array([t]), np.array([g]), vt, vg, c, q))
+        assert _same(low, a_low) and _same(high, a_high), (t, g, vt, vg, c, q)
+        a = g * g - q * q * vg
+        kinds.add("bounded" if a > 0 else "a=0" if a == 0 else "c<=0" if t * t - q * q * vt <= 0 else "a<0<c")
+    assert kinds == {"bounded", "a=0", "c<=0", "a<0<c"}
+    for dof in [0.5, 1.0, 1.5, 2.0, 3.0, 7.25, 10.0, 99.0, 1e4, float("nan")] + rng.uniform(1, 500, 500).tolist():
+        z, nu = win_z(), np.maximum(np.float64(dof), 1.0)  # the NumPy-scalar form it replaced, verbatim
+        g1, g2 = (z**3 + z) / 4, (5 * z**5 + 16 * z**3 + 3 * z) / 96
+        g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+        assert _same(student_quantile(dof), float(z + g1 / nu + g2 / nu**2 + g3 / nu**3)), dof
+
+
+def _same(x, y):
+    """Equal floats, NaN equal to NaN."""
+    return x == y or (math.isnan(x) and math.isnan(y))
 
 
 def test_window_follows_a_level_shift_that_an_exponential_memory_keeps():

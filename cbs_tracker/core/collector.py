@@ -28,6 +28,7 @@ from torch import nn
 GradTransform = Callable[[nn.Parameter, torch.Tensor], "torch.Tensor | None"]
 
 _HOST_ZERO = torch.zeros((), dtype=torch.float32)
+_TENSOR = torch.Tensor
 
 
 class LabelCount:
@@ -756,7 +757,7 @@ def _grads_by_device_dtype(
         g = p.grad
         if g is None:
             continue
-        if hasattr(g, "to_local"):
+        if type(g) is not _TENSOR and hasattr(g, "to_local"):  # (a plain tensor has none: no failed lookup)
             g = g.to_local()
         ps, gs = groups.setdefault((g.device, g.dtype), ([], []))
         ps.append(p)

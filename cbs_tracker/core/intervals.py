@@ -6,24 +6,29 @@ accept NumPy arrays, so the window memory can price every candidate window at on
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 INTERVAL_CONFIDENCE = 0.90
 Z = 1.6448536269514722  # standard normal quantile at (1 + INTERVAL_CONFIDENCE) / 2
 
 
+# the Cornish-Fisher coefficients of the expansion below
+_G1 = (Z**3 + Z) / 4
+_G2 = (5 * Z**5 + 16 * Z**3 + 3 * Z) / 96
+_G3 = (3 * Z**7 + 19 * Z**5 + 17 * Z**3 - 15 * Z) / 384
+
+
 def student_quantile(dof):  # noqa: ANN001, ANN201  (a float or an array, the same back)
     """Student-t quantile at ``(1 + INTERVAL_CONFIDENCE) / 2`` (Cornish-Fisher, A&S 26.7.5).
 
     Args:
-        dof: degrees of freedom (a number or an array); below 1 they count as 1.
+        dof: degrees of freedom (a number or an array); below 1 they count as 1. A number
+            is computed in Python floats (the same value NumPy's scalars give, without their cost).
     """
-    z = Z
-    nu = np.maximum(dof, 1.0)
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    return z + g1 / nu + g2 / nu**2 + g3 / nu**3
+    nu = np.maximum(dof, 1.0) if isinstance(dof, np.ndarray) else max(float(dof), 1.0)
+    return Z + _G1 / nu + _G2 / nu**2 + _G3 / nu**3
 
 
 def fieller_intervals(num, den, var_num, var_den, cov, quantile):  # noqa: ANN001, ANN201
@@ -62,6 +67,15 @@ def fieller_intervals(num, den, var_num, var_den, cov, quantile):  # noqa: ANN00
 def fieller_interval(
     num: float, den: float, var_num: float, var_den: float, cov: float, quantile: float
 ) -> tuple[float, float]:
-    """:func:`fieller_intervals` for one ratio, as two floats."""
-    low, high = fieller_intervals(np.float64(num), np.float64(den), var_num, var_den, cov, quantile)
-    return float(low), float(high)
+    """:func:`fieller_intervals` for one ratio, as two floats, in Python floats (the same numbers,
+    operation for operation, as the array form gives an array of one; a step prices a few dozen)."""
+    q2 = quantile * quantile
+    a = den * den - q2 * var_den
+    b = num * den - q2 * cov
+    c = num * num - q2 * var_num
+    root = math.sqrt(max(b * b - a * c, 0.0))
+    if a > 0:
+        return max((b - root) / a, 0.0), max((b + root) / a, 0.0)
+    if c <= 0 or a == 0:
+        return 0.0, math.inf
+    return max((b - root) / a, 0.0), math.inf  # a < 0 < c (or a not a number: NaN, as the array form)

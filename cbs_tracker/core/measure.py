@@ -374,7 +374,7 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
         small_total, c, q = small_total * d * d, c / d, q / (d * d)
     k = int(round(count))
     big_sq = big_total * (avg_ranks / c) ** 2 if c > 0 else 0.0
-    stats = StepStats(
+    stats = StepStats._of(
         small_sq_norm=small_total / max(k, 1),
         big_sq_norm=big_sq,
         num_microbatches=k,
@@ -387,7 +387,7 @@ def _step_stats(values: list[float], *, avg_ranks: int, group: bool, ranks: int,
         proposed_every=prop / max(ranks, 1),
         own_seconds=own_seconds,
     )
-    return stats, WindowFaults(
+    return stats, WindowFaults._of(
         mismatched_ranks=int(round(mism)), invalid_sizes=int(round(bad)), microbatches_run=int(round(ran)),
         replica_spread=spread, shared_data=shared,
     )

@@ -15,12 +15,10 @@ trend of the ratio read at the current position.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from cbs_tracker.core.intervals import fieller_interval, fieller_intervals, student_quantile
+from cbs_tracker.core.intervals import fieller_interval, student_quantile
 
 # The fields of a block, in order: sums over its steps with weight w = units / scale.
 # W = sum w, W2 = sum w^2, SG = sum w g, ST = sum w t, QGG/QTT/QGT = sum w^2 g g / t t / g t,
@@ -114,45 +112,45 @@ def trend_fit(acc: Sequence[float], x0: float) -> tuple[float, float, float] | N
     return b0, math.sqrt(max(var, 0.0)), max(n_eff - 2.0, 1.0)
 
 
-def _candidate_intervals(sums: np.ndarray, position: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """The interval of every candidate window at once (rows of ``sums``); NaN where there is none.
+def _candidate_interval(acc: Sequence[float], position: float, scale: float) -> tuple[float, float] | None:
+    """The interval of one candidate window (its sums ``acc``), or ``None`` where there is none.
 
     The trend's Wald interval where :meth:`DriftWindow._trend` would use it, else
     Fieller's interval of the means (:func:`level_moments`), both widened to ``scale``
-    times the 90% quantile.
+    times the 90% quantile. Python floats, one candidate at a time: a step prices a
+    few dozen candidates, and the same few lines run for each.
     """
-    w, w2 = sums[:, W], sums[:, W2]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        n_eff = w * w / w2
-        ok = (w > 0) & (w2 > 0) & (n_eff > 1.0)
-        g, t = sums[:, SG] / w, sums[:, ST] / w
-        norm = n_eff / (n_eff - 1.0) / (w * w)
-        v_gg = np.maximum(sums[:, QGG] - 2 * g * sums[:, LG] + g * g * w2, 0.0) * norm
-        v_tt = np.maximum(sums[:, QTT] - 2 * t * sums[:, LT] + t * t * w2, 0.0) * norm
-        v_gt = (sums[:, QGT] - g * sums[:, LT] - t * sums[:, LG] + g * t * w2) * norm
-        low, high = fieller_intervals(t, g, v_tt, v_gg, v_gt, scale * student_quantile(n_eff - 1.0))
-        # the trend, where the window's |G|^2 is known to TREND_MAX_REL_SE
+    w, w2 = acc[W], acc[W2]
+    if not (w > 0 and w2 > 0):
+        return None
+    n_eff = w * w / w2
+    if not n_eff > 1.0:
+        return None
+    g, t = acc[SG] / w, acc[ST] / w
+    norm = n_eff / (n_eff - 1.0) / (w * w)
+    v_gg = max(acc[QGG] - 2 * g * acc[LG] + g * g * w2, 0.0) * norm
+    v_tt = max(acc[QTT] - 2 * t * acc[LT] + t * t * w2, 0.0) * norm
+    v_gt = (acc[QGT] - g * acc[LT] - t * acc[LG] + g * t * w2) * norm
+    a = acc[SG]
+    bound = TREND_MAX_REL_SE * g
+    if g > 0 and v_gg <= bound * bound and acc[STEPS] >= 4 and a > 0:
+        # the trend, where the window's |G|^2 is known to TREND_MAX_REL_SE (trend_fit, read at ``position``)
         x0 = position
-        a = sums[:, SG]
-        b = sums[:, GX] - x0 * a
-        d = sums[:, GXX] - 2 * x0 * sums[:, GX] + x0 * x0 * a
+        b = acc[GX] - x0 * a
+        d = acc[GXX] - 2 * x0 * acc[GX] + x0 * x0 * a
         det = a * d - b * b
-        trend = (ok & (g > 0) & (v_gg <= (TREND_MAX_REL_SE * g) ** 2) & (sums[:, STEPS] >= 4) & (a > 0)
-                 & (det > 1e-12 * a * d))
-        y0, y1 = sums[:, ST], sums[:, TX] - x0 * sums[:, ST]
-        b0 = (d * y0 - b * y1) / det
-        level = sums[:, ST] / a
-        rho = np.maximum(sums[:, QTT] - 2 * level * sums[:, QGT] + level * level * sums[:, QGG], 0.0) / w2
-        rho = rho * n_eff / np.maximum(n_eff - 2.0, 1.0)
-        s01 = sums[:, W2X] - x0 * w2
-        s11 = sums[:, W2XX] - 2 * x0 * sums[:, W2X] + x0 * x0 * w2
-        se = np.sqrt(np.maximum(rho * (d * d * w2 - 2 * d * b * s01 + b * b * s11) / (det * det), 0.0))
-        half = scale * student_quantile(np.maximum(n_eff - 2.0, 1.0)) * se
-        low = np.where(trend, b0 - half, low)
-        high = np.where(trend, b0 + half, high)
-    low = np.where(ok, low, np.nan)
-    high = np.where(ok, high, np.nan)
-    return low, high
+        if det > 1e-12 * a * d:
+            y0, y1 = acc[ST], acc[TX] - x0 * acc[ST]
+            b0 = (d * y0 - b * y1) / det
+            level = acc[ST] / a
+            rho = max(acc[QTT] - 2 * level * acc[QGT] + level * level * acc[QGG], 0.0) / w2
+            rho = rho * n_eff / max(n_eff - 2.0, 1.0)
+            s01 = acc[W2X] - x0 * w2
+            s11 = acc[W2XX] - 2 * x0 * acc[W2X] + x0 * x0 * w2
+            se = math.sqrt(max(rho * (d * d * w2 - 2 * d * b * s01 + b * b * s11) / (det * det), 0.0))
+            half = scale * student_quantile(max(n_eff - 2.0, 1.0)) * se
+            return b0 - half, b0 + half
+    return fieller_interval(t, g, v_tt, v_gg, v_gt, scale * student_quantile(n_eff - 1.0))
 
 
 class DriftWindow:
@@ -234,49 +232,67 @@ class DriftWindow:
         return m.grad_sq_norm**2 > q * q * m.var_grad_sq
 
     def _choose(self) -> None:
-        """Choose the window, every candidate (newest blocks first) priced at once.
+        """Choose the window: candidates of the newest blocks, newest first, priced one at a time until
+        one disagrees with those before it or the cap is reached.
 
-        A plain loop over the candidates is the reference in ``tests/test_estimator.py``.
+        ``tests/test_estimator.py`` holds it to a plain loop built from :func:`level_moments` and
+        :func:`trend_fit`, and to the vectorised form (every candidate priced at once in NumPy) that
+        it replaced: a step prices a few dozen candidates, which a NumPy call per formula made cost
+        several times more than the arithmetic.
         """
-        newest_first = np.asarray(self.blocks, dtype=float)[::-1, :_FIELDS]
-        sums = np.cumsum(newest_first, axis=0)  # sums[j]: the newest j + 1 blocks
-        steps = sums[:, STEPS]
-        before = np.concatenate(([0.0], steps[:-1]))
-        allowed = (before < self.min_steps) | (steps <= self.max_fraction * self.steps)
-        n = len(steps) if allowed.all() else int(np.argmin(allowed))
-        capped = n < len(steps)
-        low, high = _candidate_intervals(sums[:n], self.position, self.agreement)
-        valid = (steps[:n] >= self.min_steps) & ~np.isnan(low)
-        run_low = np.maximum.accumulate(np.where(valid, low, -np.inf))
-        run_high = np.minimum.accumulate(np.where(valid, high, np.inf))
-        prev_low = np.concatenate(([-np.inf], run_low[:-1]))
-        prev_high = np.concatenate(([np.inf], run_high[:-1]))
-        disjoint = valid & ((low > prev_high) | (high < prev_low))
-        if disjoint.any():
-            stop, capped = int(np.argmax(disjoint)), False
-        else:
-            stop = n
-        agreeing = np.flatnonzero(valid[:stop])
-        chosen = None if agreeing.size == 0 else sums[agreeing[-1]].tolist()
-        self._settle(chosen, capped, sums[-1].tolist())
+        blocks, min_steps, scale, position = self.blocks, self.min_steps, self.agreement, self.position
+        cap = self.max_fraction * self.steps
+        acc = [0.0] * _FIELDS
+        run_low, run_high = -math.inf, math.inf
+        chosen: list[float] | None = None
+        capped = False
+        i = len(blocks) - 1
+        while i >= 0:
+            block = blocks[i]
+            before = acc[STEPS]
+            if not (before < min_steps or before + block[STEPS] <= cap):
+                capped = True  # the older blocks are tested for agreement by _settle
+                break
+            acc = [x + y for x, y in zip(acc, block)]  # (the block's LEVEL is left out: acc has _FIELDS)
+            i -= 1
+            if acc[STEPS] < min_steps:
+                continue
+            interval = _candidate_interval(acc, position, scale)
+            if interval is None or interval[0] != interval[0]:  # no interval (or NaN: not a valid candidate)
+                continue
+            low, high = interval
+            if low > run_high or high < run_low:
+                break  # disagrees with the newer candidates: the window is the last one that agreed
+            run_low, run_high = max(run_low, low), min(run_high, high)
+            chosen = acc
 
-    def _settle(self, chosen: list[float] | None, capped: bool, total: list[float]) -> None:
-        """Keep the chosen window, or the whole run when it cannot say anything or the older data agree."""
+        def total() -> list[float]:  # every block, summed in the same order (newest first)
+            out = acc
+            for j in range(i, -1, -1):
+                out = [x + y for x, y in zip(out, blocks[j])]
+            return out
+
+        self._settle(chosen, capped, total)
+
+    def _settle(self, chosen: list[float] | None, capped: bool, total: Callable[[], list[float]]) -> None:
+        """Keep the chosen window, or the whole run (``total()``: every block's sums) when it cannot say
+        anything or the older data agree."""
         if chosen is not None and not self._bounded(chosen):
             # |G|^2 of the window the data agree on is not distinguishable from 0: a cut
             # that leaves nothing to say is not taken, the whole run is all there is
-            chosen, capped = total, False
+            chosen, capped = total(), False
         self.window, self.extended = chosen, False
         if not capped or chosen is None or not chosen[SG] > 0:
             return
-        older = [x - y for x, y in zip(total, chosen)]
+        whole = total()
+        older = [x - y for x, y in zip(whole, chosen)]
         ratio = chosen[ST] / chosen[SG]
         rho = max(chosen[QTT] - 2 * ratio * chosen[QGT] + ratio * ratio * chosen[QGG], 0.0) / chosen[W2]
         gap = (older[ST] - ratio * older[SG]) / older[W]
         var = rho * (older[W2] / older[W] ** 2 + chosen[W2] / chosen[W] ** 2)
         q = self.extend_threshold * student_quantile(chosen[STEPS] - 1.0)
         if gap * gap <= q * q * var:
-            self.window, self.extended = total, True
+            self.window, self.extended = whole, True
 
     # ------------------------------------------------------------------ results
     @property
