@@ -206,3 +206,50 @@ def _count_syncs(kind):
                 nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1)).backward()
         assert tracker.step().measured == (s == 0)
     assert isinstance(tracker._counted, loop_module._CountedMicrobatch)
+
+
+def test_a_counted_window_checks_every_size_and_times_every_microbatch_when_its_clock_is_due(monkeypatch):
+    """A microbatch past a counted window's first takes the reused context at once, but only with a size it
+    can keep as it is: a bad size is refused there as in any window; and in the window "auto" times (the
+    one before a measured window) every microbatch is timed (two clock reads each, a clock that moves 1 s
+    per read)."""
+    model = _lm()
+    tracker = CBSTracker(model, accumulation_steps=3, measure_every=2)
+    for s in range(2):
+        for k in range(3):
+            x, y = _batch(s, k)
+            if (s, k) == (1, 1):  # the second microbatch of a window not measured
+                for bad, error in ((-1.0, ValueError), (float("nan"), ValueError), (True, TypeError),
+                                   (torch.ones(2), TypeError)):
+                    with pytest.raises(error, match="microbatch"):
+                        tracker.microbatch(bad)
+                with pytest.raises(TypeError, match="exactly one"):
+                    tracker.microbatch(3.0, labels=y)
+            with tracker.microbatch(labels=y):
+                nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1)).backward()
+        assert tracker.step().measured == (s == 0)
+
+    reads = [0.0]
+
+    def clock():
+        reads[0] += 1.0
+        return reads[0]
+
+    model = _lm()
+    tracker = CBSTracker(model, accumulation_steps=3, measure_every="auto")
+    timed = 0
+    for s in range(40):
+        due = tracker.session.timing  # known before the window starts
+        with monkeypatch.context() as mp:
+            mp.setattr(loop_module.time, "perf_counter", clock)
+            for k in range(3):
+                x, y = _batch(s, k)
+                with tracker.microbatch(labels=y):
+                    nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1)).backward()
+            own = tracker.session.own_extra
+        if due:
+            timed += 1
+            assert own == 6.0, s  # entry and exit of each of the 3 microbatches
+        tracker.step()
+        model.zero_grad(set_to_none=True)
+    assert timed >= 3

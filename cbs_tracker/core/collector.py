@@ -43,7 +43,8 @@ class LabelCount:
         self.labels, self.ignore_index, self.version = labels, ignore_index, labels._version
 
     def count(self) -> torch.Tensor:
-        return (self.labels != self.ignore_index).sum()
+        # (count_nonzero: a little cheaper than sum() on the host, where this runs after a backward)
+        return torch.count_nonzero(self.labels != self.ignore_index)
 
 #: Default bucket bound, as a fraction of one copy of the hooked gradients.
 BUCKET_FRACTION = 1 / 8
@@ -625,7 +626,7 @@ class GradStatsCollector:
         Sizes given as tensors (and ``extra``) on an accelerator are read in one stack and one
         copy (tokens counted from the labels); on the CPU each is read as it is. What a window the cadence does not measure needs: its counts only.
         """
-        if any(isinstance(v, LabelCount) for v in self._micro_size):
+        if any(type(v) is LabelCount for v in self._micro_size):
             self._count_labels()
         tensors = [v for v in self._micro_size if isinstance(v, torch.Tensor)] + list(extra)
         if not tensors:

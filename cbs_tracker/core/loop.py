@@ -221,6 +221,7 @@ class LoopTracker:
         self._counting = False  # ... and if not, its microbatches are only counted (_CountedMicrobatch)
         self._lean = False  # ... and its step() is _step_counted
         self._counted = _CountedMicrobatch(self)  # the one context of a counted microbatch, reused
+        self._counted_now: _CountedMicrobatch | None = None  # it, while the window only counts (no clock)
         # _sync_context is a nullcontext for every microbatch (a counted microbatch skips it)
         self._sync_free = type(self)._sync_context is LoopTracker._sync_context
         self._in_microbatch = False
@@ -438,6 +439,16 @@ class LoopTracker:
             ValueError: a negative or non-finite ``size``.
             RuntimeError: nested microbatches.
         """
+        counted = self._counted_now
+        if counted is not None and self._window_index and not self._in_microbatch:
+            # a window that only counts, past its first microbatch: the size is all there is to keep
+            if labels is not None:
+                if size is None:
+                    counted._size = LabelCount(labels, self.ignore_index)
+                    return counted
+            elif type(size) in _PLAIN_NUMBERS and 0 <= size < math.inf:
+                counted._size = size
+                return counted
         timing = self.session.timing  # "auto" times the window before a measured one (no clock otherwise)
         t0 = time.perf_counter() if timing else 0.0
         if (size is None) == (labels is None):
@@ -500,6 +511,8 @@ class LoopTracker:
         if self._measure:  # a window not measured reads no gradient: parameters are looked at when one is
             self._refresh_params()
         self._counting = not self._measure and self.max_microbatch is None
+        # the context its microbatches after the first take at once (microbatch() checks the window index)
+        self._counted_now = self._counted if self._counting and not self.session.timing else None
         if self._counting:
             self.collector.pause()
         # ... and its step() can take the counted path (one rank, no clock due, ...): known now

@@ -87,3 +87,12 @@ class StepRecord:
         record = object.__new__(cls)
         record.__dict__.update(values)
         return record
+
+    @classmethod
+    def _like(cls, record: StepRecord, changes: dict[str, object]) -> StepRecord:
+        """``dataclasses.replace(record, **changes)`` in one dict (a window not measured builds one per step)."""
+        new = object.__new__(cls)
+        values = new.__dict__
+        values.update(record.__dict__)
+        values.update(changes)
+        return new

@@ -388,8 +388,7 @@ class TrackingSession:
         self._advance(stats, run, window_accumulation)
         self.changed_this_step = False
         groups = self.optimizer.param_groups if self.optimizer is not None else None
-        record = StepRecord._of(**{
-            **self.last_record.__dict__,  # type: ignore[union-attr]
+        record = StepRecord._like(self.last_record, {  # type: ignore[arg-type]
             "step": self.step,
             "tokens_seen": self.units_seen,
             "global_batch": stats.units,

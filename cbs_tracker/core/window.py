@@ -15,6 +15,7 @@ trend of the ratio read at the current position.
 from __future__ import annotations
 
 import math
+from operator import add as _plus
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -120,33 +121,31 @@ def _candidate_interval(acc: Sequence[float], position: float, scale: float) -> 
     times the 90% quantile. Python floats, one candidate at a time: a step prices a
     few dozen candidates, and the same few lines run for each.
     """
-    w, w2 = acc[W], acc[W2]
+    w, w2, sg, st, qgg, qtt, qgt, lg, lt, steps, gx, tx, gxx, w2x, w2xx = acc
     if not (w > 0 and w2 > 0):
         return None
     n_eff = w * w / w2
     if not n_eff > 1.0:
         return None
-    g, t = acc[SG] / w, acc[ST] / w
+    g, t = sg / w, st / w
     norm = n_eff / (n_eff - 1.0) / (w * w)
-    v_gg = max(acc[QGG] - 2 * g * acc[LG] + g * g * w2, 0.0) * norm
-    v_tt = max(acc[QTT] - 2 * t * acc[LT] + t * t * w2, 0.0) * norm
-    v_gt = (acc[QGT] - g * acc[LT] - t * acc[LG] + g * t * w2) * norm
-    a = acc[SG]
+    v_gg = max(qgg - 2 * g * lg + g * g * w2, 0.0) * norm
+    v_tt = max(qtt - 2 * t * lt + t * t * w2, 0.0) * norm
+    v_gt = (qgt - g * lt - t * lg + g * t * w2) * norm
     bound = TREND_MAX_REL_SE * g
-    if g > 0 and v_gg <= bound * bound and acc[STEPS] >= 4 and a > 0:
+    if g > 0 and v_gg <= bound * bound and steps >= 4 and sg > 0:
         # the trend, where the window's |G|^2 is known to TREND_MAX_REL_SE (trend_fit, read at ``position``)
         x0 = position
-        b = acc[GX] - x0 * a
-        d = acc[GXX] - 2 * x0 * acc[GX] + x0 * x0 * a
-        det = a * d - b * b
-        if det > 1e-12 * a * d:
-            y0, y1 = acc[ST], acc[TX] - x0 * acc[ST]
-            b0 = (d * y0 - b * y1) / det
-            level = acc[ST] / a
-            rho = max(acc[QTT] - 2 * level * acc[QGT] + level * level * acc[QGG], 0.0) / w2
+        b = gx - x0 * sg
+        d = gxx - 2 * x0 * gx + x0 * x0 * sg
+        det = sg * d - b * b
+        if det > 1e-12 * sg * d:
+            b0 = (d * st - b * (tx - x0 * st)) / det
+            level = st / sg
+            rho = max(qtt - 2 * level * qgt + level * level * qgg, 0.0) / w2
             rho = rho * n_eff / max(n_eff - 2.0, 1.0)
-            s01 = acc[W2X] - x0 * w2
-            s11 = acc[W2XX] - 2 * x0 * acc[W2X] + x0 * x0 * w2
+            s01 = w2x - x0 * w2
+            s11 = w2xx - 2 * x0 * w2x + x0 * x0 * w2
             se = math.sqrt(max(rho * (d * d * w2 - 2 * d * b * s01 + b * b * s11) / (det * det), 0.0))
             half = scale * student_quantile(max(n_eff - 2.0, 1.0)) * se
             return b0 - half, b0 + half
@@ -253,7 +252,7 @@ class DriftWindow:
             if not (before < min_steps or before + block[STEPS] <= cap):
                 capped = True  # the older blocks are tested for agreement by _settle
                 break
-            acc = [x + y for x, y in zip(acc, block)]  # (the block's LEVEL is left out: acc has _FIELDS)
+            acc = list(map(_plus, acc, block))  # (the block's LEVEL is left out: acc has _FIELDS)
             i -= 1
             if acc[STEPS] < min_steps:
                 continue
@@ -269,7 +268,7 @@ class DriftWindow:
         def total() -> list[float]:  # every block, summed in the same order (newest first)
             out = acc
             for j in range(i, -1, -1):
-                out = [x + y for x, y in zip(out, blocks[j])]
+                out = list(map(_plus, out, blocks[j]))
             return out
 
         self._settle(chosen, capped, total)
