@@ -382,7 +382,7 @@ class GradStatsCollector:
             if g is None:
                 self._skipped = True
                 return
-        nbytes = g.numel() * g.element_size()
+        nbytes = g.nbytes
         limit = self._limit
         if self._eager or nbytes >= limit:
             self._reduce([param], [g])
@@ -401,7 +401,11 @@ class GradStatsCollector:
             # into it and the incoming tensor is only read, so it is held as it is.
             version = grad._version
             g = grad.data
-        self._buckets.setdefault((g.device, g.dtype), []).append((param, g, version))
+        key = (g.device, g.dtype)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = []
+        bucket.append((param, g, version))
         self._held_ids.add(id(param))
         self._held_bytes += nbytes
         if not self._callback_queued:
