@@ -43,8 +43,8 @@ class LabelCount:
         self.labels, self.ignore_index, self.version = labels, ignore_index, labels._version
 
     def count(self) -> torch.Tensor:
-        # (count_nonzero: a little cheaper than sum() on the host, where this runs after a backward)
-        return torch.count_nonzero(self.labels != self.ignore_index)
+        # (ne and count_nonzero as methods: a little cheaper on the host, where this runs after a backward)
+        return self.labels.ne(self.ignore_index).count_nonzero()
 
 #: Default bucket bound, as a fraction of one copy of the hooked gradients.
 BUCKET_FRACTION = 1 / 8
