@@ -630,6 +630,10 @@ class GradStatsCollector:
         Sizes given as tensors (and ``extra``) on an accelerator are read in one stack and one
         copy (tokens counted from the labels); on the CPU each is read as it is. What a window the cadence does not measure needs: its counts only.
         """
+        if not extra and self.read_each_on_cpu:
+            sizes = self._cpu_sizes()
+            if sizes is not None:
+                return sizes, []
         if any(type(v) is LabelCount for v in self._micro_size):
             self._count_labels()
         tensors = [v for v in self._micro_size if isinstance(v, torch.Tensor)] + list(extra)
@@ -642,6 +646,31 @@ class GradStatsCollector:
         it = iter(read)
         sizes = [float(next(it)) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
         return sizes, [float(v) for v in it]
+
+    def _cpu_sizes(self) -> list[float] | None:
+        """:meth:`host_sizes` in one loop where every size is a number or lives on the CPU (labels counted
+        and read one by one: on the CPU there is no copy to save); ``None`` (nothing counted) otherwise."""
+        out: list[float] = []
+        changed = self.labels_changed
+        for v in self._micro_size:
+            kind = type(v)
+            if kind is LabelCount:
+                labels = v.labels  # type: ignore[union-attr]
+                if not labels.is_cpu:
+                    break
+                if labels._version != v.version:  # type: ignore[union-attr]
+                    self.labels_changed += 1
+                out.append(float(v.count().item()))  # type: ignore[union-attr]
+            elif kind is float or kind is int:
+                out.append(float(v))  # type: ignore[arg-type]
+            elif isinstance(v, torch.Tensor) and v.is_cpu:
+                out.append(float(v.item()))
+            else:
+                break
+        else:
+            return out
+        self.labels_changed = changed  # counted again by the general path
+        return None
 
     def _count_labels(self) -> None:
         """Count the labels of the window's :class:`LabelCount` sizes (one operator pair each, run back to

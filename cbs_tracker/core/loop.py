@@ -874,14 +874,12 @@ class _CountedMicrobatch:
             self._sync = t._sync_context(t._window_index >= t._window_divisor - 1)
             self._sync.__enter__()
 
-    def __exit__(self, *exc: Any) -> bool | None:
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool | None:
         t = self._tracker
-        try:
-            return None if self._sync is None else self._sync.__exit__(*exc)
-        finally:
-            t.collector.count_microbatch(self._size)
-            t._in_microbatch = False
-            t._window_index += 1
+        t.collector.count_microbatch(self._size)  # (counted whatever the sync context's exit does)
+        t._in_microbatch = False
+        t._window_index += 1
+        return None if self._sync is None else self._sync.__exit__(kind, value, tb)
 
 
 def microbatch_layout(level: int, max_group: int, dp_degree: int) -> int:

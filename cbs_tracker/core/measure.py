@@ -311,10 +311,11 @@ def _count_moments(normalization: str, k: float, inv_b: float, units: float, a: 
 def count_window(
     collector: GradStatsCollector, *, loss_divisor: float, avg_ranks: int, expected_microbatches: int,
     normalization: str, proposed_every: float,
-) -> tuple[StepStats, WindowFaults]:
+) -> tuple[StepStats, WindowFaults | None]:
     """:func:`_reduce_counts` on one rank, without a units divisor: the same stats and faults, read off
     the sizes directly (what :func:`_step_stats` makes of the one rank's vector), for the window of a
-    cadence that is not measured (``tests/test_counted_step.py`` holds it equal to the general path)."""
+    cadence that is not measured (``tests/test_counted_step.py`` holds it equal to the general path).
+    The faults are ``None`` when there are none (the window ran ``expected_microbatches``, every size valid)."""
     sizes, _ = collector.host_sizes()  # (on an accelerator in one copy)
     k, inv_b, units, invalid = _size_sums(sizes)
     c, q = _count_moments(normalization, k, inv_b, units, float(loss_divisor), units)
@@ -330,6 +331,8 @@ def count_window(
         small_batch=(k / inv_b) if inv_b > 0 else 0.0, big_batch=(c * c / q) if q > 0 else 0.0, units=units,
         finite=finite, synced_sq_norm=math.nan, measured=False, proposed_every=float(proposed_every), own_seconds=0.0,
     )
+    if local_k == expected_microbatches and not invalid:
+        return stats, None  # the usual window: nothing wrong, it ran the microbatches set
     faults = WindowFaults._of(
         mismatched_ranks=int(local_k not in (0, expected_microbatches)), invalid_sizes=int(invalid),
         microbatches_run=local_k, replica_spread=0.0, shared_data=False,

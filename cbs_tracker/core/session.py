@@ -377,14 +377,18 @@ class TrackingSession:
             and window_accumulation >= 2 and not getattr(self.controller, "every_window", False)
         )
 
-    def finish_counted(self, stats: StepStats, faults: WindowFaults, *, window_accumulation: int) -> StepRecord:
+    def finish_counted(self, stats: StepStats, faults: WindowFaults | None, *, window_accumulation: int) -> StepRecord:
         """:meth:`finish_step` of a window not measured, when :meth:`counted_step_ready`: the same record and
         state with what such a window changes only (the counts, the position, the learning rate); the
-        estimate and its interval are the last record's, which no window since has changed."""
+        estimate and its interval are the last record's, which no window since has changed. ``faults``:
+        ``None`` for a window that ran ``window_accumulation`` microbatches of valid sizes."""
         self._check_outside_lr()
-        if faults.invalid_sizes or faults.mismatched_ranks:
-            self._check_faults(stats, faults, window_accumulation, False)
-        run = faults.microbatches_run or stats.num_microbatches
+        if faults is None:
+            run = int(window_accumulation)
+        else:
+            if faults.invalid_sizes or faults.mismatched_ranks:
+                self._check_faults(stats, faults, window_accumulation, False)
+            run = faults.microbatches_run or stats.num_microbatches
         self._advance(stats, run, window_accumulation)
         self.changed_this_step = False
         groups = self.optimizer.param_groups if self.optimizer is not None else None
