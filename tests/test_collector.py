@@ -481,3 +481,21 @@ def test_an_unmeasured_windows_counts_are_the_measured_reductions(normalization,
         assert getattr(counts, name) == pytest.approx(getattr(full, name), rel=1e-12), name
     assert faults == full_faults
     assert counts.num_microbatches == 3 and counts.units == 14.0 and faults.mismatched_ranks == 1
+
+
+def test_host_sizes_reads_labels_numbers_and_tensors_in_one_loop_or_falls_back_counting_once():
+    # the CPU loop and the general path give the same sizes; a size the loop does not take (here a
+    # float subclass) sends the window to the general path, and labels changed in place count once
+    import numpy as np
+
+    from cbs_tracker.core.collector import LabelCount
+
+    labels = torch.tensor([[1, -100, 3], [-100, -100, 2]])
+    for tail in (2.0, torch.tensor(5.0), np.float64(7.0)):
+        collector = GradStatsCollector([])
+        collector.count_microbatch(LabelCount(labels, -100))
+        labels.add_(0)  # changed in place after its microbatch (the same values)
+        collector.count_microbatch(tail)
+        sizes, extra = collector.host_sizes()
+        assert sizes == [3.0, float(tail)] and extra == []
+        assert collector.labels_changed == 1
