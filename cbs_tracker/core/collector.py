@@ -300,6 +300,13 @@ class GradStatsCollector:
         if self._detached is not None:  # hooked between two measured windows: detached like the others
             self._detached.append(self._take_off(len(self._handles) - 1))
 
+    def hook_all(self, params: Iterable[nn.Parameter]) -> None:
+        """:meth:`hook` each of ``params`` not hooked yet (one call for a model's list, every measured window)."""
+        hooked = self._hooked
+        for p in params:
+            if id(p) not in hooked:
+                self.hook(p)
+
     # A window the cadence does not measure needs no hook at all: autograd calls into Python
     # for every parameter that has a hook dict, even an empty one (about a microsecond each),
     # so the dict itself is taken off the parameter (``_backward_hooks = None``, as before any
@@ -429,9 +436,13 @@ class GradStatsCollector:
         self._held_ids = set()
         self._held_bytes = 0
         for entries in buckets.values():
-            params = [e[0] for e in entries]
-            grads = [e[1] for e in entries]
-            if any(v is not None and _modified_through_grad(p, g, v) for p, g, v in entries):
+            params, grads, modified = [], [], False
+            for p, g, v in entries:
+                params.append(p)
+                grads.append(g)
+                if v is not None and not modified:
+                    modified = _modified_through_grad(p, g, v)
+            if modified:
                 self._aliasing_detected()
                 continue
             self._reduce(params, grads)

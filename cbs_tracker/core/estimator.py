@@ -502,7 +502,9 @@ class NoiseScaleEstimator:
             without touching the state (``accepted=False``).
         """
         n = big_batch if units is None else units
-        if not all(math.isfinite(v) for v in (small_sq_norm, big_sq_norm, small_batch, big_batch, n)):
+        finite = math.isfinite
+        if not (finite(small_sq_norm) and finite(big_sq_norm) and finite(small_batch) and finite(big_batch)
+                and finite(n)):
             return self.result(accepted=False)
         if not (small_batch > 0 and big_batch > small_batch and n > 0):
             return self.result(accepted=False)
@@ -571,7 +573,7 @@ class NoiseScaleEstimator:
         if self.outlier_clip is None or len(recent) < self.outlier_window:
             return value
         ordered = sorted(recent)
-        q25, median, q75 = (_quantile(ordered, q) for q in (0.25, 0.5, 0.75))
+        q25, median, q75 = _quantile(ordered, 0.25), _quantile(ordered, 0.5), _quantile(ordered, 0.75)
         width = self.outlier_clip * (q75 - q25)
         return min(max(value, median - width), median + width)
 

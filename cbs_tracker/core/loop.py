@@ -261,8 +261,7 @@ class LoopTracker:
         parameters trainable when the window started.
         """
         params = self._trainable()
-        for p in params:
-            self.collector.hook(p)  # once per object
+        self.collector.hook_all(params)  # once per object
         self._window_params = params
 
     def _big_params(self) -> list[nn.Parameter]:

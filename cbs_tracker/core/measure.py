@@ -196,7 +196,8 @@ def reduce_window(
     group = normalization == "group"
     on_host = (
         device.type == "cpu" and ref.device.type == "cpu"
-        and all(t is None or not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in (scale, units_divisor))
+        and (not isinstance(scale, torch.Tensor) or scale.device.type == "cpu")
+        and (not isinstance(units_divisor, torch.Tensor) or units_divisor.device.type == "cpu")
     )
     host = collector.host_window_sums() if on_host else None
     if host is not None:
@@ -228,7 +229,7 @@ def reduce_window(
             big_val = 0.0 if big_f is None else big_f
     else:
         big_val = 0.0 if big_f is None else big_f
-    finite = all(math.isfinite(v) for v in (small, big_val, c, q))
+    finite = math.isfinite(small) and math.isfinite(big_val) and math.isfinite(c) and math.isfinite(q)
     unmeasurable, mismatched, ran, was_measured, proposal = flags
     values = [
         small if finite else 0.0, k, inv_b, units, big_val if finite else 0.0,
