@@ -523,19 +523,24 @@ def _reference_window(window):
     return result
 
 
-def test_window_choice_matches_the_plain_loop_reference():
-    # the vectorised choice against a plain loop over the candidates on a stream with a
-    # level shift, a drift and a batch doubling
-    rng = np.random.default_rng(11)
-    est = NoiseScaleEstimator()
-    kinds = set()
+def _drifting_windows(est, seed):
+    """``(step, est's window)`` after each step of a stream with a level shift, a drift and a batch
+    doubling, once the window is chosen."""
+    rng = np.random.default_rng(seed)
     for i in range(2500):
         g2 = 1.0 if i < 900 else 0.2 * (1 + (i - 900) / 800)
         n = 8.0 if i < 1800 else 16.0
         est.update(g2 + 64 / (n / 2) + rng.normal(0, 2), g2 + 64 / n + rng.normal(0, 1), n / 2, n)
-        window = est._window
-        if window.window is None:
-            continue
+        if est._window.window is not None:
+            yield i, est._window
+
+
+def test_window_choice_matches_the_plain_loop_reference():
+    # the vectorised choice against a plain loop over the candidates on a stream with a
+    # level shift, a drift and a batch doubling
+    est = NoiseScaleEstimator()
+    kinds = set()
+    for _, window in _drifting_windows(est, 11):
         slow, slow_extended = _reference_window(window)
         np.testing.assert_allclose(window.window, slow, rtol=1e-9, atol=1e-12)
         assert window.extended == slow_extended
@@ -610,16 +615,9 @@ def test_window_choice_is_the_vectorised_one_exactly(seed, fraction):
     # sums, as every candidate priced at once in NumPy, on streams with a level shift, a drift, a batch
     # doubling and a noise that makes the window cut, hit its cap and be joined by the older data
     # (a cap of 0.375 of the steps is a whole number every 8 steps: candidates end exactly on it)
-    rng = np.random.default_rng(seed)
     est = NoiseScaleEstimator(max_window_fraction=fraction)
     kinds, cut_or_capped = set(), 0
-    for i in range(2500):
-        g2 = 1.0 if i < 900 else 0.2 * (1 + (i - 900) / 800)
-        n = 8.0 if i < 1800 else 16.0
-        est.update(g2 + 64 / (n / 2) + rng.normal(0, 2), g2 + 64 / n + rng.normal(0, 1), n / 2, n)
-        window = est._window
-        if window.window is None:
-            continue
+    for i, window in _drifting_windows(est, seed):
         ref, ref_extended = _vectorised_choice(window)
         assert window.window == ref, i  # lists of floats: equal element for element
         assert window.extended == ref_extended
