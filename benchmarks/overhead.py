@@ -200,6 +200,9 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
         return wrapper
 
     plain, norms, own, own_measured, own_unmeasured = [], [], [], [], []
+    # the backward passes' time less the hook work timed inside them: what a tracked step adds there
+    # is autograd's calls into the tracker's hooks, which no timer of the tracker can see
+    backward_plain, backward_tracked = [], []
 
     def norms_pass():
         _norm_pass(model.parameters())
@@ -216,7 +219,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
             _sync(args)
             t0 = time.perf_counter()
-            outside = floor = 0.0
+            outside = floor = backward = 0.0
             inside[0] = 0.0
             for x, y in batches:
                 if tracked:
@@ -225,7 +228,9 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                     ctx.__enter__()
                     outside += time.perf_counter() - a
                 _, loss = model(x, y)
+                b = time.perf_counter()
                 (loss / args.accumulation).backward()
+                backward += time.perf_counter() - b
                 t = _timed(args, (lambda c=ctx: c.__exit__(None, None, None)) if tracked else norms_pass)
                 outside, floor = (outside + t, floor) if tracked else (outside, floor + t)
             t = _timed(args, tracker.step if tracked else norms_pass)
@@ -242,15 +247,21 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             if tracked:
                 own.append(outside + inside[0])
                 (own_measured if tracker.last_record.measured else own_unmeasured).append(outside + inside[0])
+                if tracker.last_record.measured:
+                    backward_tracked.append(backward - inside[0])
             else:
                 plain.append(total - floor)
                 norms.append(floor)
+                backward_plain.append(backward)
     finally:
         for name, fn in originals.items():
             setattr(GradStatsCollector, name, fn)
     step = statistics.median(plain)
     out = {"plain_step_s": step, "tracker_s": statistics.median(own), "norm_passes_s": statistics.median(norms),
            "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step}
+    if backward_tracked:
+        out["hook_calls_s"] = statistics.median(backward_tracked) - statistics.median(backward_plain)
+        out["hook_calls_fraction"] = out["hook_calls_s"] / step
     for name, values in (("measured", own_measured), ("unmeasured", own_unmeasured)):
         if values:
             out[f"tracker_{name}_s"] = statistics.median(values)
@@ -431,6 +442,9 @@ def main() -> int:
               f"passes {att['norm_passes_s'] * 1e6:.0f} us ({att['norm_passes_fraction']:.2%}) + everything else "
               f"{rest * 1e6:.0f} us ({rest / att['plain_step_s']:.2%} of the plain step); on the step clock the "
               f"tracker beyond the norm passes: {ratio / floor - 1:+.2%}")
+        print(f"  not in that split: autograd's calls into the tracker's hooks during a measured window's backward "
+              f"passes, {att['hook_calls_s'] * 1e6:.0f} us ({att['hook_calls_fraction']:.2%} of the plain step; "
+              "the backward's median less the hook work timed in it, minus the plain backward's median)")
 
     peaks = {}
     for variant in ("plain", "tracker"):
@@ -452,7 +466,9 @@ def main() -> int:
                         "measured_beyond_norms_fraction_timed": round(
                             (att["tracker_measured_s"] - att["norm_passes_s"]) / att["plain_step_s"], 5)
                         if "tracker_measured_s" in att else None,
-                        "norm_passes_fraction_timed": round(att["norm_passes_fraction"], 4)}
+                        "norm_passes_fraction_timed": round(att["norm_passes_fraction"], 4),
+                        "hook_calls_fraction": round(att["hook_calls_fraction"], 5) if "hook_calls_fraction" in att
+                        else None}
         if args.tracker_clip:
             extra_ratios["tracker_clip_ratio"] = round(ratios["tracker_clip"], 4)
         print(json.dumps({"measure_every": args.measure_every, "measured_one_in": tracker.session.cadence.every,

@@ -182,6 +182,57 @@ def test_first_microbatch_read_from_grad_does_no_hook_work_and_falls_back_when_g
     assert [float(t) for t in collector.microbatch_sq_norms()] == pytest.approx(ref, rel=2e-6)
 
 
+def test_later_microbatches_file_straight_into_one_bucket_after_a_first_read_from_grad(monkeypatch):
+    """A window whose first microbatch was read from .grad and found the whole model in one bucket: the
+    hooks of its later microbatches only file (``_file`` is not called) and measure what ``_file``
+    measures, bit for bit; a second backward in a microbatch is measured apart, as ``_file`` measures it
+    (the first backward's gradients are measured when it ends); a tiny bucket, a
+    window not read from .grad first, or a per-parameter transform take ``_file`` throughout."""
+    micro = _micro(12, [(2, 8), (3, 5), (2, 8)])
+    double = _micro(13, [(2, 8), (2, 8)])
+    filed = [0]
+    real = GradStatsCollector._file
+
+    def counted(self, param, grad):
+        filed[0] += 1
+        return real(self, param, grad)
+
+    monkeypatch.setattr(GradStatsCollector, "_file", counted)
+
+    def window(bucket_bytes=None, unsynced=True, transform=None):
+        model = _gpt()
+        collector = GradStatsCollector(model.parameters(), bucket_bytes=bucket_bytes, transform=transform)
+        filed[0] = 0
+        got = [float(t) for t in _run(model, collector, micro, unsynced=unsynced)]
+        # a later microbatch with two backward passes
+        collector.begin_microbatch(unsynced=unsynced)
+        for x, y in double:
+            model(x, y)[1].backward()
+        collector.end_microbatch(32.0)
+        got.append(float(collector.microbatch_sq_norms()[-1]))
+        return got, filed[0], collector
+
+    fast, fast_filed, collector = window()
+    assert fast_filed == 0  # every later gradient went straight into the bucket (the first backward's flushed at its end)
+    assert collector.held_bytes == 0 and not collector._fast
+    general, general_filed, _ = window(bucket_bytes=3000)  # several buckets: _file cuts them
+    assert general_filed > 0
+    hooked, hooked_filed, _ = window(unsynced=False)  # no first microbatch from .grad: _file throughout
+    assert hooked_filed > 0
+    assert fast[1:] == hooked[1:]  # the same gradients filed in the same order: the same norms, bit for bit
+    model = _gpt()
+    params = list(model.parameters())
+    want = _ref_sq(model, micro)
+    g1 = torch.autograd.grad(model(*double[0])[1], params)
+    g2 = torch.autograd.grad(model(*double[1])[1], params)
+    # each backward's gradient is measured before the next adds into it (as _file does)
+    want.append(sum(float(a.double().pow(2).sum() + b.double().pow(2).sum()) for a, b in zip(g1, g2, strict=True)))
+    assert fast == pytest.approx(want, rel=2e-6) and general == pytest.approx(want, rel=2e-6)
+    scaled, scaled_filed, _ = window(transform=lambda p, g: 2.0 * g)  # a per-parameter transform: _file
+    assert scaled_filed > 0
+    assert scaled == pytest.approx([4.0 * v for v in want], rel=2e-6)
+
+
 def test_first_microbatch_from_grad_with_adam_preconditioner_and_an_unused_parameter():
     model = _gpt()
     extra = torch.nn.Parameter(torch.randn(5))  # hooked and trainable, but no microbatch uses it

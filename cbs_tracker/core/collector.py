@@ -264,6 +264,9 @@ class GradStatsCollector:
         self._held_ids: set[int] = set()
         self._held_bytes = 0
         self._callback_queued = False
+        # a measured microbatch's hooks only file (see begin_microbatch), into the bucket of this key
+        self._fast = False
+        self._fast_key: tuple[torch.device, torch.dtype] | None = None
         # the microbatch's partial norms: (device, norm dtype) -> 0-d tensors
         self._norms: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         self._hooks_this_microbatch = 0
@@ -292,6 +295,7 @@ class GradStatsCollector:
             return
         self._hooked.add(id(param))
         self._hooked_params.append(param)
+        self._fast_key = None
         self._param_bytes += param.numel() * param.element_size()
         self._limit = self.bucket_bytes
         fn = self._make_hook(param)
@@ -323,8 +327,17 @@ class GradStatsCollector:
         return hooks
 
     def _detach_hooks(self) -> None:
-        if self._detached is None:
-            self._detached = [self._take_off(i) for i in range(len(self._handles))]
+        if self._detached is not None:
+            return
+        detached: list[dict[Any, Any] | None] = []
+        for param, handle in zip(self._hooked_params, self._handles):  # (what _take_off does, inline)
+            hooks = param._backward_hooks
+            if hooks is not None and len(hooks) == 1 and handle.id in hooks:
+                param._backward_hooks = None
+                detached.append(hooks)
+            else:
+                detached.append(None)
+        self._detached = detached
 
     def _attach_hooks(self) -> None:
         detached, self._detached = self._detached, None
@@ -359,7 +372,26 @@ class GradStatsCollector:
         return self._held_bytes
 
     def _make_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        pid = id(param)
+
         def fn(grad: torch.Tensor) -> None:
+            if self._fast and pid not in self._held_ids and param.grad is not None:
+                # _file's work where it reduces to filing (see begin_microbatch): autograd adds this
+                # gradient into .grad and only reads it, so it is held as it is
+                t0 = time.perf_counter() if self.timed else 0.0
+                with self._lock:
+                    self._hooks_this_microbatch += 1
+                    bucket = self._buckets.get(self._fast_key)
+                    if bucket is None:
+                        bucket = self._buckets[self._fast_key] = []
+                    bucket.append((param, grad, None))
+                    self._held_ids.add(pid)
+                    self._held_bytes += grad.nbytes
+                    if not self._callback_queued:
+                        self._queue_flush()
+                if self.timed:
+                    self.own_seconds += time.perf_counter() - t0
+                return
             if not self._recording:
                 if self._passive:
                     self._hooks_this_microbatch += 1
@@ -416,11 +448,15 @@ class GradStatsCollector:
         self._held_ids.add(id(param))
         self._held_bytes += nbytes
         if not self._callback_queued:
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-                self._callback_queued = True
-            except RuntimeError:  # not inside an engine backward: end_microbatch flushes
-                pass
+            self._queue_flush()
+
+    def _queue_flush(self) -> None:
+        """The held gradients' norms are taken when the backward ends."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            self._callback_queued = True
+        except RuntimeError:  # not inside an engine backward: end_microbatch flushes
+            pass
 
     def _backward_end(self) -> None:
         with self._lock:
@@ -436,12 +472,13 @@ class GradStatsCollector:
         self._held_ids = set()
         self._held_bytes = 0
         for entries in buckets.values():
-            params, grads, modified = [], [], False
+            params = [e[0] for e in entries]
+            grads = [e[1] for e in entries]
+            modified = False
             for p, g, v in entries:
-                params.append(p)
-                grads.append(g)
-                if v is not None and not modified:
-                    modified = _modified_through_grad(p, g, v)
+                if v is not None and _modified_through_grad(p, g, v):
+                    modified = True
+                    break
             if modified:
                 self._aliasing_detected()
                 continue
@@ -456,6 +493,7 @@ class GradStatsCollector:
         )
         self._skipped = True
         self._eager = True
+        self._fast = False
 
     def _reduce(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -469,16 +507,26 @@ class GradStatsCollector:
             norms = torch._foreach_norm(grads, 2, dtype=norm_dtype)
         self._norms.setdefault((grads[0].device, norm_dtype), []).extend(norms)
 
-    def _reduce_grads(self) -> None:
-        """The norms of this microbatch's gradients as they stand in ``.grad`` (empty at its start)."""
-        for ps, gs in _grads_by_device_dtype(self._hooked_params).values():
+    def _reduce_grads(self) -> int:
+        """The norms of this microbatch's gradients as they stand in ``.grad`` (empty at its start);
+        returns how many parameters have one."""
+        found = 0
+        groups = _grads_by_device_dtype(self._hooked_params)
+        for ps, gs in groups.values():
+            found += len(gs)
             if self._hook_transform is not None:  # a fused transform is applied by _reduce
                 out = _apply_transform(self._hook_transform, ps, gs)
                 if out is None:
                     self._skipped = True
-                    return
+                    return found
                 gs = out
             self._reduce(ps, gs)
+        if len(groups) == 1 and found == len(self._hooked_params) and self._param_bytes < self._limit \
+                and self._hook_transform is None:
+            # every gradient of the model on one device and dtype, all of them fit one bucket: the
+            # window's later microbatches file their gradients straight into it (the fast hook path)
+            self._fast_key = next(iter(groups))
+        return found
 
     def remove(self) -> None:
         """Remove every hook (the model is left as it was)."""
@@ -525,14 +573,23 @@ class GradStatsCollector:
             if self._handles:
                 self._detach_hooks()
             return
-        if self._detached is not None:
-            self._attach_hooks()
         t0 = time.perf_counter() if self.timed else 0.0
         # a post-accumulate-grad hook may change .grad before it is read (per-parameter clipping,
         # an optimizer step in backward): those parameters keep the hooks' own checks
-        self._from_grad = unsynced and not self._eager and all(
+        self._from_grad = from_grad = unsynced and not self._eager and all(
             p.grad is None and not getattr(p, "_post_accumulate_grad_hooks", None) for p in self._hooked_params
         )
+        # read from .grad, the microbatch needs no hook: autograd's call into Python costs a few
+        # microseconds per parameter even for a hook that only counts, so they come off for its
+        # backward (the gradients found at its end are what it counts) and back on at its end
+        if from_grad:
+            if self._handles:
+                self._detach_hooks()
+        elif self._detached is not None:
+            self._attach_hooks()
+        # the hooks only file what arrives (no transform, no bucket to cut, nothing that could become
+        # .grad unseen) when this window's first microbatch found the model one bucket's worth
+        self._fast = not from_grad and self._fast_key is not None and not self._eager
         self._recording = True
         self._norms = {}
         self._skipped = False
@@ -567,10 +624,13 @@ class GradStatsCollector:
         t0 = time.perf_counter() if self.timed else 0.0
         with self._lock:
             if self._from_grad:
-                self._reduce_grads()
+                self._hooks_this_microbatch = self._reduce_grads()
+                if self._detached is not None:  # back on: a backward outside any microbatch is still seen
+                    self._attach_hooks()
             self._flush()
             self._recording = False
             self._from_grad = False
+            self._fast = False
             self._callback_queued = False
             groups, self._norms = self._norms, {}
         if self._skipped:
@@ -725,6 +785,7 @@ class GradStatsCollector:
         return _sums(sq_values, size_values)
 
     def reset_window(self) -> None:
+        self._fast_key = None
         self.labels_changed = 0
         self.own_seconds = 0.0
         self._micro_sq = []
