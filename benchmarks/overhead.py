@@ -259,7 +259,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
     step = statistics.median(plain)
     out = {"plain_step_s": step, "tracker_s": statistics.median(own), "norm_passes_s": statistics.median(norms),
            "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step}
-    if backward_tracked:
+    if len(backward_tracked) >= 8:  # (a cadence that measures few windows leaves too few to tell)
         out["hook_calls_s"] = statistics.median(backward_tracked) - statistics.median(backward_plain)
         out["hook_calls_fraction"] = out["hook_calls_s"] / step
     for name, values in (("measured", own_measured), ("unmeasured", own_unmeasured)):
@@ -442,6 +442,7 @@ def main() -> int:
               f"passes {att['norm_passes_s'] * 1e6:.0f} us ({att['norm_passes_fraction']:.2%}) + everything else "
               f"{rest * 1e6:.0f} us ({rest / att['plain_step_s']:.2%} of the plain step); on the step clock the "
               f"tracker beyond the norm passes: {ratio / floor - 1:+.2%}")
+    if "hook_calls_s" in att:
         print(f"  not in that split: autograd's calls into the tracker's hooks during a measured window's backward "
               f"passes, {att['hook_calls_s'] * 1e6:.0f} us ({att['hook_calls_fraction']:.2%} of the plain step; "
               "the backward's median less the hook work timed in it, minus the plain backward's median)")
