@@ -302,7 +302,7 @@ class GradStatsCollector:
         self._fns.append(fn)
         self._handles.append(param.register_hook(fn))
         if self._detached is not None:  # hooked between two measured windows: detached like the others
-            self._detached.append(self._take_off(len(self._handles) - 1))
+            self._detached.append(self._take_off(param, self._handles[-1]))
 
     def hook_all(self, params: Iterable[nn.Parameter]) -> None:
         """:meth:`hook` each of ``params`` not hooked yet (one call for a model's list, every measured window)."""
@@ -311,15 +311,14 @@ class GradStatsCollector:
             if id(p) not in hooked:
                 self.hook(p)
 
-    # A window the cadence does not measure needs no hook at all: autograd calls into Python
-    # for every parameter that has a hook dict, even an empty one (about a microsecond each),
-    # so the dict itself is taken off the parameter (``_backward_hooks = None``, as before any
-    # hook was registered) and put back for the next measured window. Only a dict that holds
-    # nothing but this collector's hook is taken off; a parameter with other hooks keeps
-    # them all (ours only counts its calls then). Both happen between backward passes, at a
-    # microbatch's start.
-    def _take_off(self, i: int) -> dict[Any, Any] | None:
-        param, handle = self._hooked_params[i], self._handles[i]
+    # A window the cadence does not measure, and a measured window's first microbatch read from
+    # .grad, need no hook at all: autograd calls into Python for every parameter that has a hook
+    # dict, even an empty one (several microseconds each right after a backward), so the dict
+    # itself is taken off the parameter (``_backward_hooks = None``, as before any hook was
+    # registered) and put back for the next microbatch that needs it. Only a dict that holds
+    # nothing but this collector's hook is taken off; a parameter with other hooks keeps them all
+    # (ours only counts its calls then). Both happen between backward passes.
+    def _take_off(self, param: nn.Parameter, handle: torch.utils.hooks.RemovableHandle) -> dict[Any, Any] | None:
         hooks = param._backward_hooks
         if hooks is None or len(hooks) != 1 or handle.id not in hooks:
             return None
@@ -327,17 +326,8 @@ class GradStatsCollector:
         return hooks
 
     def _detach_hooks(self) -> None:
-        if self._detached is not None:
-            return
-        detached: list[dict[Any, Any] | None] = []
-        for param, handle in zip(self._hooked_params, self._handles):  # (what _take_off does, inline)
-            hooks = param._backward_hooks
-            if hooks is not None and len(hooks) == 1 and handle.id in hooks:
-                param._backward_hooks = None
-                detached.append(hooks)
-            else:
-                detached.append(None)
-        self._detached = detached
+        if self._detached is None:
+            self._detached = [self._take_off(p, h) for p, h in zip(self._hooked_params, self._handles)]
 
     def _attach_hooks(self) -> None:
         detached, self._detached = self._detached, None
@@ -381,14 +371,7 @@ class GradStatsCollector:
                 t0 = time.perf_counter() if self.timed else 0.0
                 with self._lock:
                     self._hooks_this_microbatch += 1
-                    bucket = self._buckets.get(self._fast_key)
-                    if bucket is None:
-                        bucket = self._buckets[self._fast_key] = []
-                    bucket.append((param, grad, None))
-                    self._held_ids.add(pid)
-                    self._held_bytes += grad.nbytes
-                    if not self._callback_queued:
-                        self._queue_flush()
+                    self._hold(self._fast_key, param, grad, None, grad.nbytes)  # type: ignore[arg-type]
                 if self.timed:
                     self.own_seconds += time.perf_counter() - t0
                 return
@@ -440,18 +423,19 @@ class GradStatsCollector:
             # into it and the incoming tensor is only read, so it is held as it is.
             version = grad._version
             g = grad.data
-        key = (g.device, g.dtype)
+        self._hold((g.device, g.dtype), param, g, version, nbytes)
+
+    def _hold(self, key: tuple[torch.device, torch.dtype], param: nn.Parameter, g: torch.Tensor,
+              version: int | None, nbytes: int) -> None:
+        """Put a gradient in the bucket of ``key``; its norm is taken when the backward ends."""
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = []
         bucket.append((param, g, version))
         self._held_ids.add(id(param))
         self._held_bytes += nbytes
-        if not self._callback_queued:
-            self._queue_flush()
-
-    def _queue_flush(self) -> None:
-        """The held gradients' norms are taken when the backward ends."""
+        if self._callback_queued:
+            return
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
             self._callback_queued = True
