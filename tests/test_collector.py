@@ -534,6 +534,31 @@ def test_an_unmeasured_windows_counts_are_the_measured_reductions(normalization,
     assert counts.num_microbatches == 3 and counts.units == 14.0 and faults.mismatched_ranks == 1
 
 
+def test_labels_on_the_cpu_are_counted_exactly_whether_or_not_any_is_ignored():
+    # the CPU count tries one min() first (no label ignored: the count is the size) and counts directly
+    # after labels that had some ignored: against labels != ignore_index counted by hand, over windows
+    # that mix both kinds, an ignore_index above every label, empty labels and a label just above it
+    from cbs_tracker.core.collector import LabelCount
+
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for i in range(40):
+        labels = torch.randint(0, 50, (2, 7), generator=gen)
+        if i % 3 == 0:
+            labels[0, i % 7] = -100
+        cases.append((labels, -100))
+    cases += [(torch.tensor([[0, 1], [2, 3]]), 3), (torch.tensor([[4, 5]]), 3), (torch.zeros(0, dtype=torch.long), -100),
+              (torch.tensor([-99, -99]), -100), (torch.tensor([-100, -100]), -100), (torch.tensor([7]), -100)]
+    collector = GradStatsCollector([])
+    for start in range(0, len(cases), 2):
+        window = cases[start:start + 2]
+        for labels, ignore in window:
+            collector.count_microbatch(LabelCount(labels, ignore))
+        sizes, _ = collector.host_sizes()
+        assert sizes == [float((labels != ignore).sum()) for labels, ignore in window], start
+        collector.reset_window()
+
+
 def test_host_sizes_reads_labels_numbers_and_tensors_in_one_loop_or_falls_back_counting_once():
     # the CPU loop and the general path give the same sizes; a size the loop does not take (here a
     # float subclass) sends the window to the general path, and labels changed in place count once

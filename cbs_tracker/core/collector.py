@@ -257,6 +257,8 @@ class GradStatsCollector:
         self._recording = False
         self._passive = False  # a microbatch of a window the cadence does not measure
         self.labels_changed = 0  # labels of this window changed in place before they were counted
+        # the last labels counted on the CPU had none ignored: the next are tried with one min() first
+        self._dense_labels = True
         self._skipped = False
         self._eager = False  # set after a held gradient was seen modified before its norm
         # the gradients held: (device, dtype) -> [(param, gradient, version if it may become .grad)]
@@ -715,7 +717,13 @@ class GradStatsCollector:
                     break
                 if labels._version != v.version:  # type: ignore[union-attr]
                     self.labels_changed += 1
-                out.append(float(v.count().item()))  # type: ignore[union-attr]
+                n = labels.numel()
+                if self._dense_labels and n and labels.min().item() > v.ignore_index:  # type: ignore[union-attr]
+                    out.append(float(n))  # no label ignored: the count is the size (one operator, not two)
+                else:
+                    counted = float(v.count().item())  # type: ignore[union-attr]
+                    self._dense_labels = counted == n  # (a window with ignored labels counts them directly)
+                    out.append(counted)
             elif kind is float or kind is int:
                 out.append(float(v))  # type: ignore[arg-type]
             elif isinstance(v, torch.Tensor) and v.is_cpu:
