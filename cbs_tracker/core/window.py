@@ -15,9 +15,9 @@ trend of the ratio read at the current position.
 from __future__ import annotations
 
 import math
-from operator import add as _plus
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import add as _plus
 
 from cbs_tracker.core.intervals import fieller_interval, student_quantile
 
