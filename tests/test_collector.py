@@ -559,6 +559,24 @@ def test_labels_on_the_cpu_are_counted_exactly_whether_or_not_any_is_ignored():
         collector.reset_window()
 
 
+def test_labels_of_any_dtype_count_as_labels_ne_ignore_index_in_their_dtype_after_any_window():
+    # labels != ignore_index compares in the labels' dtype (uint8 wraps -100 to 156, float16 rounds 2051 to
+    # 2052): the count taken in a window not measured must be that one, after a window whose labels had
+    # none ignored (the min() tried first) as after one that had some
+    from cbs_tracker.core.collector import LabelCount
+
+    cases = [(torch.tensor([156, 1], dtype=torch.uint8), -100), (torch.tensor([2052.0, 3000.0], dtype=torch.float16), 2051),
+             (torch.tensor([5, 6], dtype=torch.int32), 4), (torch.tensor([1 + 0j, -100 + 0j]), -100)]
+    for labels, ignore in cases:
+        for before in (torch.tensor([1, 2]), torch.tensor([-100, 2])):
+            collector = GradStatsCollector([])
+            collector.count_microbatch(LabelCount(before, -100))
+            collector.host_sizes()
+            collector.reset_window()
+            collector.count_microbatch(LabelCount(labels, ignore))
+            assert collector.host_sizes()[0] == [float((labels != ignore).sum())], (labels, before)
+
+
 def test_host_sizes_reads_labels_numbers_and_tensors_in_one_loop_or_falls_back_counting_once():
     # the CPU loop and the general path give the same sizes; a size the loop does not take (here a
     # float subclass) sends the window to the general path, and labels changed in place count once

@@ -5,6 +5,8 @@ learning rate moved on. The truth it must match is the general path (``reduce_wi
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -99,7 +101,8 @@ def _loop(steps, every, clock, rewind, controller, size, normalization):
             sched.load_state_dict(sc)
             rewind = None
     params = [p.detach().clone() for p in model.parameters()]
-    return records, tracker.state_dict(), params
+    cadence = tracker.session.cadence  # what "auto" timed (its pairs and direct timings) is part of the state
+    return records, (tracker.state_dict(), list(cadence._pairs), list(cadence._direct), list(cadence._plain)), params
 
 
 @pytest.mark.parametrize("every", [3, "auto"])
@@ -125,7 +128,7 @@ def test_the_short_path_gives_the_general_paths_records_state_and_weights(monkey
 def test_the_short_path_after_a_rewind_and_with_sizes_and_without_a_controller():
     """A state loaded into the same tracker in the middle of the run (the last record is then not the
     estimator's: the next window takes the general path); sizes given as numbers; no controller."""
-    for kw in ({"rewind": (7, 14)}, {"size": True}, {"controller": False}, {"normalization": "window"},
+    for kw in ({"rewind": (7, 14)}, {"rewind": (6, 14)}, {"rewind": (8, 13)}, {"size": True}, {"controller": False}, {"normalization": "window"},
                {"normalization": "group"}):
         short = _run(24, 3, short_path=True, **kw)
         general = _run(24, 3, short_path=False, **kw)
@@ -253,3 +256,37 @@ def test_a_counted_window_checks_every_size_and_times_every_microbatch_when_its_
         tracker.step()
         model.zero_grad(set_to_none=True)
     assert timed >= 3
+
+
+def test_a_window_handed_out_by_windows_after_counted_windows_starts_in_full(monkeypatch):
+    """A counted step starts the next window ahead when nothing its start reads has moved; a loader taken
+    over by windows() sets the window's layout itself (here a window cut short by the loader's end, one
+    microbatch of two): the records are the general path's."""
+
+    def run(short_path):
+        with pytest.MonkeyPatch.context() as mp:
+            if not short_path:
+                mp.setattr(session_module.TrackingSession, "counted_step_ready", lambda self, acc: False)
+            model = _lm()
+            tracker = CBSTracker(model, accumulation_steps=2, measure_every=5)
+            records = []
+            for s in range(3):  # a plain loop first: windows 1 and 2 are counted
+                for k in range(2):
+                    x, y = _batch(s, k)
+                    with tracker.microbatch(labels=y):
+                        nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), ignore_index=-100).backward()
+                records.append(tracker.step())
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for window in tracker.windows([_batch(9, 0)]):
+                    for x, y in window:
+                        with tracker.microbatch(labels=y):
+                            nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), ignore_index=-100).backward()
+                    records.append(tracker.step())
+            return records, tracker.state_dict(), [str(w.message) for w in caught]
+
+    short, general = run(True), run(False)
+    assert [r.accumulation_steps for r in short[0]] == [2, 2, 2, 1]
+    assert [r.measured for r in short[0]] == [True, False, False, False]
+    assert_same(short, general, "records, state and warnings", exact_types=True)
+    assert len(short[2]) == 1 and "single microbatch" in short[2][0]  # a short window, not a mismatched one

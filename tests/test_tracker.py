@@ -265,6 +265,9 @@ def test_hooks_do_not_change_gradients_and_can_be_removed():
         ({"logger": 3}, TypeError, r"CBSTracker\(logger=int\): expected an object with log\(record\)"),
         ({"grad_scaler": "x"}, TypeError, r"CBSTracker\(grad_scaler=str\): expected a torch.amp.GradScaler"),
         ({"mesh_dim": "dp"}, ValueError, r"CBSTracker\(mesh_dim='dp'\): needs device_mesh="),
+        ({"ignore_index": 1.5}, TypeError, r"CBSTracker\(ignore_index=1.5\): expected an int"),
+        ({"ignore_index": -(2**70)}, ValueError, r"CBSTracker\(ignore_index=-1180591620717411303424\): must fit a torch.int64"),
+        ({"ignore_index": 2**63}, ValueError, r"ignore_index=9223372036854775808\): must fit a torch.int64"),
     ],
 )
 def test_bad_configuration_is_refused(kwargs, exc, match):

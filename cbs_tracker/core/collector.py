@@ -28,6 +28,7 @@ from torch import nn
 GradTransform = Callable[[nn.Parameter, torch.Tensor], "torch.Tensor | None"]
 
 _HOST_ZERO = torch.zeros((), dtype=torch.float32)
+_INT64 = torch.int64
 _TENSOR = torch.Tensor
 
 
@@ -718,7 +719,8 @@ class GradStatsCollector:
                 if labels._version != v.version:  # type: ignore[union-attr]
                     self.labels_changed += 1
                 n = labels.numel()
-                if self._dense_labels and n and labels.min().item() > v.ignore_index:  # type: ignore[union-attr]
+                # (int64 only: labels != ignore_index compares in the labels' dtype, where -100 may wrap or round)
+                if self._dense_labels and n and labels.dtype is _INT64 and labels.min().item() > v.ignore_index:  # type: ignore[union-attr]
                     out.append(float(n))  # no label ignored: the count is the size (one operator, not two)
                 else:
                     counted = float(v.count().item())  # type: ignore[union-attr]

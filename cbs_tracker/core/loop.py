@@ -161,6 +161,8 @@ class LoopTracker:
             raise TypeError(f"{name}(grad_scaler={type(grad_scaler).__name__}): expected a torch.amp.GradScaler")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"{name}(ignore_index={ignore_index!r}): expected an int")
+        if not -(2**63) <= ignore_index < 2**63:
+            raise ValueError(f"{name}(ignore_index={ignore_index!r}): must fit a torch.int64 (labels are compared with it)")
         if max_microbatch is not None and max_microbatch != "auto" and (
             isinstance(max_microbatch, bool) or not isinstance(max_microbatch, int) or max_microbatch < 1
         ):
@@ -222,6 +224,9 @@ class LoopTracker:
         self._lean = False  # ... and its step() is _step_counted
         self._counted = _CountedMicrobatch(self)  # the one context of a counted microbatch, reused
         self._counted_now: _CountedMicrobatch | None = None  # it, while the window only counts (no clock)
+        # the first of the window's microbatches that takes it at once: 1, or 0 when the counted step before
+        # found the next window to be one like its own (its start is then the same: nothing to redo)
+        self._fast_from = 1
         # _sync_context is a nullcontext for every microbatch (a counted microbatch skips it)
         self._sync_free = type(self)._sync_context is LoopTracker._sync_context
         self._in_microbatch = False
@@ -358,6 +363,7 @@ class LoopTracker:
             window = _Window(parts, group)
             self._current_window = window
             self._restarted = False
+            self._fast_from = 1  # its layout is set when its first microbatch starts
             yield window
 
     @property
@@ -439,8 +445,8 @@ class LoopTracker:
             RuntimeError: nested microbatches.
         """
         counted = self._counted_now
-        if counted is not None and self._window_index and not self._in_microbatch:
-            # a window that only counts, past its first microbatch: the size is all there is to keep
+        if counted is not None and self._window_index >= self._fast_from and not self._in_microbatch:
+            # a window that only counts, past its start: the size is all there is to keep
             if labels is not None:
                 if size is None:
                     counted._size = LabelCount(labels, self.ignore_index)
@@ -612,6 +618,7 @@ class LoopTracker:
         if self._lean and not self._in_microbatch and self.collector.num_microbatches \
                 and not self.collector.hooks_fired_outside and self.session._record_current:
             return self._step_counted()
+        self._fast_from = 1  # the next window starts in full
         t0 = time.perf_counter() if self.session.timing else None
         name = type(self).__name__
         if self._in_microbatch:
@@ -682,7 +689,14 @@ class LoopTracker:
         self.collector.reset_window()
         self._window_index = 0
         self._step_norm = None
-        return self.session.finish_counted(stats, faults, window_accumulation=self._window_divisor)
+        session = self.session
+        record = session.finish_counted(stats, faults, window_accumulation=self._window_divisor)
+        # the next window starts as this one did when nothing its start reads has moved: not measured, no
+        # clock due, no change of the batch pending (windows() and load_state_dict() start theirs in full)
+        self._fast_from = 0 if (
+            not session._clock_due and session.pending_accumulation is None and not session.cadence.measure_next()
+        ) else 1
+        return record
 
     def _warn_labels_changed(self) -> None:
         self.session.warn_once(
@@ -799,6 +813,7 @@ class LoopTracker:
         state = dict(state)
         layout = state.pop("microbatch_layout", None)
         self.session.load_state_dict(state)
+        self._fast_from = 1  # the next window starts in full from the state loaded
         self._window_divisor = self.session.accumulation_steps
         if layout is not None and self.max_microbatch is not None:
             self._good_group = int(layout["good_group"])
