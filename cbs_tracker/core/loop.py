@@ -692,9 +692,11 @@ class LoopTracker:
         session = self.session
         record = session.finish_counted(stats, faults, window_accumulation=self._window_divisor)
         # the next window starts as this one did when nothing its start reads has moved: not measured, no
-        # clock due, no change of the batch pending (windows() and load_state_dict() start theirs in full)
+        # change of the batch pending, and its step() counted as this one's (counted_step_ready: no clock due,
+        # the _lean its start would set); windows() and load_state_dict() start theirs in full
         self._fast_from = 0 if (
-            not session._clock_due and session.pending_accumulation is None and not session.cadence.measure_next()
+            session.pending_accumulation is None and not session.cadence.measure_next()
+            and session.counted_step_ready(self._window_divisor)
         ) else 1
         return record
 
