@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from cbs_tracker import BatchSizeController, CBSTracker, NoiseScaleEstimator
+from cbs_tracker.core import cadence as cadence_module
 from cbs_tracker.core import loop as loop_module
 from cbs_tracker.core import session as session_module
 from cbs_tracker.core.loop import LoopTracker
@@ -48,7 +49,7 @@ class _Clock:
 
 
 def _run(steps: int, every, *, short_path: bool, clock: _Clock | None = None, rewind=None,
-         controller: bool = True, size: bool = False, normalization: str = "mean"):
+         controller: bool = True, size: bool = False, normalization: str = "mean", batch=_batch, run_short=None):
     """A tiny LM in a plain loop with an LR schedule and a controller that grows the batch; returns the
     records, the tracker's state, the parameters and how many windows took the short path."""
     taken = [0]
@@ -62,10 +63,10 @@ def _run(steps: int, every, *, short_path: bool, clock: _Clock | None = None, re
         mp.setattr(LoopTracker, "_step_counted", counted)
         if not short_path:
             mp.setattr(session_module.TrackingSession, "counted_step_ready", lambda self, acc: False)
-        return (*_loop(steps, every, clock, rewind, controller, size, normalization), taken[0])
+        return (*_loop(steps, every, clock, rewind, controller, size, normalization, batch, run_short), taken[0])
 
 
-def _loop(steps, every, clock, rewind, controller, size, normalization):
+def _loop(steps, every, clock, rewind, controller, size, normalization, batch=_batch, run_short=None):
     model = _lm()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.02 * s))
@@ -78,8 +79,8 @@ def _loop(steps, every, clock, rewind, controller, size, normalization):
     while s < steps:
         if rewind is not None and s == rewind[0]:
             saved = (tracker.state_dict(), model.state_dict(), opt.state_dict(), sched.state_dict(), s)
-        for k in range(tracker.accumulation_steps):
-            x, y = _batch(s, k)
+        for k in range(tracker.accumulation_steps - int(run_short is not None and run_short(s))):
+            x, y = batch(s, k)
             ctx = tracker.microbatch(size=float((y != -100).sum())) if size else tracker.microbatch(labels=y)
             with ctx:
                 logits = model(x)
@@ -120,6 +121,57 @@ def test_the_short_path_gives_the_general_paths_records_state_and_weights(monkey
     assert any(not r.measured for r in records) and any(r.measured for r in records)
     assert len({r.accumulation_steps for r in records}) > 1  # the controller grew the batch during the run
     assert len({r.lr for r in records}) > 30  # the schedule moved the LR in every window
+    assert_same(short[0], general[0], "records", exact_types=True)
+    assert_same(short[1], general[1], "state", exact_types=True)
+    assert_same(short[2], general[2], "params", exact_types=True)
+
+
+def _dense_batch(step: int, k: int):
+    """Labels with none ignored (every window of a given size counts the same tokens), except in windows
+    3, 4 and 11 (some ignored: those windows' sizes differ from the windows' around them)."""
+    x, y = _batch(step, k)
+    return (x, y) if step in (3, 4, 11) else (x, y.clamp(min=0))
+
+
+@pytest.mark.parametrize("every", [3, "auto", "auto, n moving"])
+def test_counted_windows_of_equal_sizes_reuse_the_stats_and_give_the_general_paths_records(monkeypatch, every):
+    """Windows of equal sizes and arguments take the counts of the window before (count_sizes runs once for
+    a run of them); a window of other sizes, another accumulation (the controller grows it), a cadence
+    that proposes another n, or a short window (one microbatch less than set, twice in a row) counts again:
+    records, state and weights are the general path's."""
+    steps = 50
+    if every == "auto, n moving":  # the cadence's proposal moves from 5 to 7 while the sizes stay equal
+        every, steps = "auto", 90
+        monkeypatch.setattr(cadence_module.MeasureCadence, "proposal", lambda self: float(self.every) if
+                            self._calibrating() else (5.0 if self._windows < 50 else 7.0))
+    clock = _Clock() if every == "auto" else None
+    if clock is not None:
+        monkeypatch.setattr(session_module.time, "perf_counter", clock)
+    calls = [0]
+    real = loop_module.count_sizes
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop_module, "count_sizes", counting)
+    short_windows = (16, 17)
+    runs, said = [], []
+    for short_path in (True, False):
+        if clock is not None:
+            clock.now = 0.0
+        with warnings.catch_warnings(record=True) as caught:  # the short windows warn: alike on both paths
+            warnings.simplefilter("always")
+            runs.append(_run(steps, every, short_path=short_path, clock=clock, batch=_dense_batch,
+                             run_short=short_windows.__contains__))
+        said.append([str(w.message) for w in caught])
+        if short_path:
+            reused = runs[0][3] - calls[0]
+    short, general = runs
+    assert short[3] >= 10 and reused >= 8, (short[3], calls[0])  # most counted windows reused the stats
+    assert said[0] == said[1]
+    records = short[0]
+    assert len({r.accumulation_steps for r in records}) > 1 and len({r.global_batch for r in records}) > 2
     assert_same(short[0], general[0], "records", exact_types=True)
     assert_same(short[1], general[1], "state", exact_types=True)
     assert_same(short[2], general[2], "params", exact_types=True)

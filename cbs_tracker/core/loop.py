@@ -29,7 +29,7 @@ from cbs_tracker.core.collector import (
 )
 from cbs_tracker.core.measure import (
     LOSS_NORMALIZATIONS,
-    count_window,
+    count_sizes,
     reduce_window,
     unscale_and_get_scale,
 )
@@ -231,6 +231,8 @@ class LoopTracker:
         self._sync_free = type(self)._sync_context is LoopTracker._sync_context
         self._in_microbatch = False
         self._step_norm: float | None = None  # the synced gradient's norm, while .grad is as step() saw it
+        # the last counted window's sizes, the arguments they were counted with and its stats (count_sizes)
+        self._last_count: tuple[list[float], tuple[object, ...], StepStats] | None = None
 
     # ------------------------------------------------------------------ adapter points
     def _unwrap(self, model: nn.Module) -> nn.Module:
@@ -680,10 +682,17 @@ class LoopTracker:
         if self.grad_scaler is not None:
             self._loss_scale()  # the gradients are unscaled at step() in every window
         divisor = float(self._window_divisor) if self.loss_normalization == "mean" and self.loss_divided_by_accumulation else 1.0
-        stats, faults = count_window(
-            self.collector, loss_divisor=divisor, avg_ranks=self._avg_ranks, expected_microbatches=self._window_divisor,
-            normalization=self.loss_normalization, proposed_every=self.session.cadence.proposal(),
-        )
+        sizes, _ = self.collector.host_sizes()
+        key = (divisor, self._avg_ranks, self._window_divisor, self.loss_normalization, self.session.cadence.proposal())
+        last = self._last_count
+        if last is not None and last[1] == key and last[0] == sizes:
+            stats, faults = last[2], None  # the sizes and the arguments of the window before: its stats (equal)
+        else:
+            stats, faults = count_sizes(
+                sizes, loss_divisor=divisor, avg_ranks=key[1], expected_microbatches=key[2], normalization=key[3],
+                proposed_every=key[4],
+            )
+            self._last_count = (sizes, key, stats) if faults is None else None
         if self.collector.labels_changed:
             self._warn_labels_changed()
         self.collector.reset_window()

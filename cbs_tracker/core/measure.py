@@ -262,7 +262,7 @@ def _reduce_counts(
     No norm, no clock; the sizes given as tensors are read in one copy. The vector is the one
     :func:`reduce_window` reduces (the norms' entries 0, ``measured`` 0), so on several ranks it
     goes through the same ``all_reduce``: the ranks still check the window's size and agree on
-    the cadence. (:func:`count_window` is its one-rank short cut.)
+    the cadence. (:func:`count_sizes` is its one-rank short cut.)
     """
     divisor_t = units_divisor if isinstance(units_divisor, torch.Tensor) else None
     sizes, read = collector.host_sizes(() if divisor_t is None else (divisor_t.reshape(()),))
@@ -309,15 +309,16 @@ def _count_moments(normalization: str, k: float, inv_b: float, units: float, a: 
     return units / (d * a), units / (d * a) ** 2
 
 
-def count_window(
-    collector: GradStatsCollector, *, loss_divisor: float, avg_ranks: int, expected_microbatches: int,
-    normalization: str, proposed_every: float,
+def count_sizes(
+    sizes: list[float], *, loss_divisor: float, avg_ranks: int, expected_microbatches: int, normalization: str,
+    proposed_every: float,
 ) -> tuple[StepStats, WindowFaults | None]:
-    """:func:`_reduce_counts` on one rank, without a units divisor: the same stats and faults, read off
-    the sizes directly (what :func:`_step_stats` makes of the one rank's vector), for the window of a
-    cadence that is not measured (``tests/test_counted_step.py`` holds it equal to the general path).
-    The faults are ``None`` when there are none (the window ran ``expected_microbatches``, every size valid)."""
-    sizes, _ = collector.host_sizes()  # (on an accelerator in one copy)
+    """:func:`_reduce_counts` on one rank, without a units divisor, of the window's sizes as the collector
+    reads them (``host_sizes``): the same stats and faults, read off the sizes directly (what
+    :func:`_step_stats` makes of the one rank's vector), for the window of a cadence that is not measured
+    (``tests/test_counted_step.py`` holds it equal to the general path). A function of its arguments
+    alone: a run of counted windows of equal sizes reuses the stats of the first. The faults are ``None``
+    when there are none (the window ran ``expected_microbatches``, every size valid)."""
     k, inv_b, units, invalid = _size_sums(sizes)
     c, q = _count_moments(normalization, k, inv_b, units, float(loss_divisor), units)
     finite = math.isfinite(c) and math.isfinite(q)
