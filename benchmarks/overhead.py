@@ -199,7 +199,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                 inside[0] += time.perf_counter() - t
         return wrapper
 
-    plain, norms, own, own_measured, own_unmeasured = [], [], [], [], []
+    plain, norms, own, own_measured, own_unmeasured, counters = [], [], [], [], [], []
     # the backward passes' time less the hook work timed inside them: what a tracked step adds there
     # is autograd's calls into the tracker's hooks, which no timer of the tracker can see
     backward_plain, backward_tracked = [], []
@@ -219,22 +219,32 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
             _sync(args)
             t0 = time.perf_counter()
-            outside = floor = backward = 0.0
+            outside = floor = backward = counted = 0.0
             inside[0] = 0.0
+            floor_counter = _CounterFloor()
             for x, y in batches:
+                a = time.perf_counter()
                 if tracked:
-                    a = time.perf_counter()
                     ctx = tracker.microbatch(labels=y)
                     ctx.__enter__()
                     outside += time.perf_counter() - a
+                else:
+                    floor_counter.enter(y)
+                    counted += time.perf_counter() - a
                 _, loss = model(x, y)
                 b = time.perf_counter()
                 (loss / args.accumulation).backward()
                 backward += time.perf_counter() - b
-                t = _timed(args, (lambda c=ctx: c.__exit__(None, None, None)) if tracked else norms_pass)
-                outside, floor = (outside + t, floor) if tracked else (outside, floor + t)
-            t = _timed(args, tracker.step if tracked else norms_pass)
-            outside, floor = (outside + t, floor) if tracked else (outside, floor + t)
+                if tracked:
+                    outside += _timed(args, lambda c=ctx: c.__exit__(None, None, None))
+                else:
+                    counted += _timed(args, floor_counter.exit)
+                    floor += _timed(args, norms_pass)
+            if tracked:
+                outside += _timed(args, tracker.step)
+            else:
+                counted += _timed(args, floor_counter.step)
+                floor += _timed(args, norms_pass)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -250,15 +260,17 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                 if tracker.last_record.measured:
                     backward_tracked.append(backward - inside[0])
             else:
-                plain.append(total - floor)
+                plain.append(total - floor - counted)
                 norms.append(floor)
+                counters.append(counted)
                 backward_plain.append(backward)
     finally:
         for name, fn in originals.items():
             setattr(GradStatsCollector, name, fn)
     step = statistics.median(plain)
     out = {"plain_step_s": step, "tracker_s": statistics.median(own), "norm_passes_s": statistics.median(norms),
-           "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step}
+           "tracker_fraction": statistics.median(own) / step, "norm_passes_fraction": statistics.median(norms) / step,
+           "counter_floor_s": statistics.median(counters), "counter_floor_fraction": statistics.median(counters) / step}
     if len(backward_tracked) >= 8:  # (a cadence that measures few windows leaves too few to tell)
         out["hook_calls_s"] = statistics.median(backward_tracked) - statistics.median(backward_plain)
         out["hook_calls_fraction"] = out["hook_calls_s"] / step
@@ -267,6 +279,30 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             out[f"tracker_{name}_s"] = statistics.median(values)
             out[f"tracker_{name}_fraction"] = statistics.median(values) / step
     return out
+
+
+class _CounterFloor:
+    """What a window that measures nothing needs at the least, timed where the tracker's work runs: a count of
+    microbatches, the tokens of ``labels=`` counted as the tracker counts them (one ``min()`` above the ignore
+    index, else the labels not ignored), and a count of steps. No tracker: the floor its unmeasured window is
+    held against."""
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+        self.labels: list[torch.Tensor] = []
+        self.microbatches = self.tokens = self.steps = 0
+
+    def enter(self, labels: torch.Tensor) -> None:
+        self.labels.append(labels)
+
+    def exit(self) -> None:
+        self.microbatches += 1
+
+    def step(self) -> None:
+        for y in self.labels:
+            self.tokens += y.numel() if int(y.min()) > self.ignore_index else int((y != self.ignore_index).sum())
+        self.labels.clear()
+        self.steps += 1
 
 
 def _hooks_off(tracker) -> bool:
@@ -435,7 +471,9 @@ def main() -> int:
           f"the K+1 norm passes alone {att['norm_passes_s'] * 1e6:.0f} us = {att['norm_passes_fraction']:.2%} (medians)")
     if "tracker_unmeasured_s" in att:
         print(f"  an unmeasured window's own cost (timed directly): {att['tracker_unmeasured_s'] * 1e6:.0f} us = "
-              f"{att['tracker_unmeasured_fraction']:.2%} of the plain step")
+              f"{att['tracker_unmeasured_fraction']:.2%} of the plain step; the floor of one (a count of microbatches "
+              f"and steps, the tokens of labels=, no tracker; timed the same way): {att['counter_floor_s'] * 1e6:.0f} us "
+              f"= {att['counter_floor_fraction']:.2%}")
     if "tracker_measured_s" in att:
         rest = att["tracker_measured_s"] - att["norm_passes_s"]
         print(f"  a measured window: the tracker's own work {att['tracker_measured_s'] * 1e6:.0f} us = the K+1 norm "
@@ -462,6 +500,7 @@ def main() -> int:
                         "tracker_fraction_timed": round(att["tracker_fraction"], 4),
                         "unmeasured_fraction_timed": round(att["tracker_unmeasured_fraction"], 5)
                         if "tracker_unmeasured_fraction" in att else None,
+                        "unmeasured_floor_fraction_timed": round(att["counter_floor_fraction"], 5),
                         "unmeasured_fraction_step_clock": round(statistics.median(unmeasured) / med_plain - 1, 5)
                         if unmeasured else None,
                         "measured_beyond_norms_fraction_timed": round(

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "docs" / "results.md").read_text()  # the result tables live there
@@ -55,3 +56,23 @@ def test_readme_operator_counts_are_what_the_counter_sees(label, preset, seq_len
     assert device["ops_added_per_step_total"] == per_step_device
     # per bucket, not per parameter tensor: far fewer norms than tensors, in every microbatch
     assert host["micro_ops"]["_foreach_norm"] < len(list(model.parameters()))
+
+
+def test_the_unmeasured_windows_floor_counts_the_tokens_the_tracker_counts():
+    """The benchmark's floor of an unmeasured window does the counting the window needs: its token count is the
+    labels not ignored (a floor that counted less would be a smaller workload, not the floor)."""
+    bench = _overhead_module()
+    g = torch.Generator().manual_seed(0)
+    floor = bench._CounterFloor()
+    truth = 0
+    for step in range(6):
+        for _ in range(2):
+            y = torch.randint(0, 50, (2, 16), generator=g)
+            if step % 2:  # every other step, some labels ignored
+                y[0, :5] = -100
+            truth += int((y != -100).sum())
+            floor.enter(y)
+            floor.exit()
+        floor.step()
+    assert (floor.microbatches, floor.steps, floor.tokens) == (12, 6, truth)
+    assert truth < 12 * 32
