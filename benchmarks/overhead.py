@@ -207,6 +207,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
     def norms_pass():
         _norm_pass(model.parameters())
 
+    floor_counter = _CounterFloor()  # (one for the run, as a tracker is)
     left_off = _hooks_off(tracker)
     for name, fn in originals.items():
         setattr(GradStatsCollector, name, timed(fn))
@@ -221,7 +222,6 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             t0 = time.perf_counter()
             outside = floor = backward = counted = 0.0
             inside[0] = 0.0
-            floor_counter = _CounterFloor()
             for x, y in batches:
                 a = time.perf_counter()
                 if tracked:
