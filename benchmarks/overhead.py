@@ -234,6 +234,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                 _, loss = model(x, y)
                 b = time.perf_counter()
                 (loss / args.accumulation).backward()
+                _sync(args)  # (the backward's kernels are not charged to the first timed work after it)
                 backward += time.perf_counter() - b
                 if tracked:
                     outside += _timed(args, lambda c=ctx: c.__exit__(None, None, None))
@@ -283,14 +284,17 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
 
 class _CounterFloor:
     """What a window that measures nothing needs at the least, timed where the tracker's work runs: a count of
-    microbatches, the tokens of ``labels=`` counted as the tracker counts them (one ``min()`` above the ignore
-    index, else the labels not ignored), and a count of steps. No tracker: the floor its unmeasured window is
-    held against."""
+    microbatches, the tokens of ``labels=`` counted at the step as the tracker counts them there, and a count
+    of steps. No tracker: the floor its unmeasured window is held against. On the CPU each label tensor is read
+    as it is (int64 labels: one ``min()`` above the ignore index while the last ones counted had none ignored,
+    the count then being their size; else the labels not ignored); on an accelerator all are counted and read
+    in one copy."""
 
     def __init__(self, ignore_index: int = -100) -> None:
         self.ignore_index = ignore_index
         self.labels: list[torch.Tensor] = []
         self.microbatches = self.tokens = self.steps = 0
+        self.dense = True  # the last labels counted had none ignored
 
     def enter(self, labels: torch.Tensor) -> None:
         self.labels.append(labels)
@@ -299,8 +303,18 @@ class _CounterFloor:
         self.microbatches += 1
 
     def step(self) -> None:
-        for y in self.labels:
-            self.tokens += y.numel() if int(y.min()) > self.ignore_index else int((y != self.ignore_index).sum())
+        ignore = self.ignore_index
+        if all(y.is_cpu for y in self.labels):
+            for y in self.labels:
+                n = y.numel()
+                if self.dense and n and y.dtype is torch.int64 and int(y.min()) > ignore:
+                    self.tokens += n
+                else:
+                    counted = int(y.ne(ignore).count_nonzero())
+                    self.dense = counted == n
+                    self.tokens += counted
+        elif self.labels:
+            self.tokens += int(sum(torch.stack([y.ne(ignore).count_nonzero() for y in self.labels]).tolist()))
         self.labels.clear()
         self.steps += 1
 

@@ -76,3 +76,35 @@ def test_the_unmeasured_windows_floor_counts_the_tokens_the_tracker_counts():
         floor.step()
     assert (floor.microbatches, floor.steps, floor.tokens) == (12, 6, truth)
     assert truth < 12 * 32
+
+
+def test_the_unmeasured_windows_floor_reads_the_host_no_more_often_than_the_tracker():
+    """The floor is a floor: on the CPU it takes the tracker's reads (one ``min()`` per label tensor while none
+    was ignored, a count otherwise); off the CPU all labels in one read, as the tracker's window not measured
+    reads them. Counted with the operator counter, CPU tensors standing in for the device."""
+    bench = _overhead_module()
+    g = torch.Generator().manual_seed(1)
+    labels = [torch.randint(0, 50, (2, 16), generator=g) for _ in range(4)]
+    floor = bench._CounterFloor()
+    for y in labels:
+        floor.enter(y)
+    counter = bench._OpCounter()
+    with counter:
+        floor.step()
+    assert counter.counts["setup"]["_local_scalar_dense"] == 4  # one read per label tensor on the CPU
+    assert counter.counts["setup"]["min"] == 4 and not counter.counts["setup"]["ne"]
+
+    class OffCpu(torch.Tensor):  # a label tensor that says it is not on the CPU
+        @property
+        def is_cpu(self):
+            return False
+
+    floor = bench._CounterFloor()
+    for y in labels:
+        floor.enter(y.as_subclass(OffCpu))
+    counter = bench._OpCounter()
+    with counter:
+        floor.step()
+    assert floor.tokens == sum(y.numel() for y in labels)
+    reads = counter.counts["setup"]["_local_scalar_dense"] + counter.counts["setup"]["_to_copy"]
+    assert reads <= 1 and not counter.counts["setup"]["min"]
