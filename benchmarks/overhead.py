@@ -65,7 +65,7 @@ def _step(model, optimizer, stream, args, tracker=None, phase=None, cpu_times=No
     if phase is not None:
         phase("micro")
     for x, y in batches:
-        ctx = tracker.microbatch(labels=y) if tracker is not None else _null()
+        ctx = _open(tracker, y, args) if tracker is not None else _null()
         with ctx:
             _, loss = model(x, y)
             (loss / args.accumulation).backward()
@@ -88,6 +88,16 @@ def _step(model, optimizer, stream, args, tracker=None, phase=None, cpu_times=No
     if cpu_times is not None:
         cpu_times.append(time.process_time() - c0)
     return time.perf_counter() - t0
+
+
+def _by_labels(args) -> bool:
+    return getattr(args, "sizes", "labels") == "labels"
+
+
+def _open(tracker, y: torch.Tensor, args):
+    """``tracker.microbatch(...)`` as the loop passes its size: ``labels=`` (counted by the tracker) or, with
+    ``--sizes numbers``, the tokens as a host number (this stream's labels have none ignored: their size)."""
+    return tracker.microbatch(labels=y) if _by_labels(args) else tracker.microbatch(size=y.numel())
 
 
 class _null:
@@ -225,11 +235,11 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
             for x, y in batches:
                 a = time.perf_counter()
                 if tracked:
-                    ctx = tracker.microbatch(labels=y)
+                    ctx = _open(tracker, y, args)
                     ctx.__enter__()
                     outside += time.perf_counter() - a
                 else:
-                    floor_counter.enter(y)
+                    floor_counter.enter(y if _by_labels(args) else y.numel())
                     counted += time.perf_counter() - a
                 _, loss = model(x, y)
                 b = time.perf_counter()
@@ -296,8 +306,11 @@ class _CounterFloor:
         self.microbatches = self.tokens = self.steps = 0
         self.dense = True  # the last labels counted had none ignored
 
-    def enter(self, labels: torch.Tensor) -> None:
-        self.labels.append(labels)
+    def enter(self, labels: torch.Tensor | int) -> None:
+        if isinstance(labels, torch.Tensor):
+            self.labels.append(labels)
+        else:  # a size given as a number: nothing to count
+            self.tokens += labels
 
     def exit(self) -> None:
         self.microbatches += 1
@@ -385,6 +398,9 @@ def main() -> int:
                    help="also time the loop clipping with tracker.clip_grad_norm_ (reuses the step's norm)")
     p.add_argument("--measure-every", default="1",
                    help="the tracker's measure_every: an integer n (one window in n measured) or 'auto'")
+    p.add_argument("--sizes", choices=["labels", "numbers"], default="labels",
+                   help="how the loop gives each microbatch's size: labels= (the tracker counts the tokens) or "
+                        "size= a host number")
     p.add_argument("--child", choices=["plain", "tracker"], help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -395,7 +411,7 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     tokens = args.micro_sequences * args.seq_len
     print(f"model: {n_params / 1e6:.1f}M parameters, microbatch {tokens} tokens, accumulation {args.accumulation}, "
-          f"{args.threads} thread(s), device {args.device}")
+          f"{args.threads} thread(s), device {args.device}, sizes as {args.sizes}")
     tracker = _make_tracker(model, optimizer, args)
     tracker.remove_hooks()
     ops = count_ops(model, optimizer, stream, args, tracker)
@@ -486,7 +502,8 @@ def main() -> int:
     if "tracker_unmeasured_s" in att:
         print(f"  an unmeasured window's own cost (timed directly): {att['tracker_unmeasured_s'] * 1e6:.0f} us = "
               f"{att['tracker_unmeasured_fraction']:.2%} of the plain step; the floor of one (a count of microbatches "
-              f"and steps, the tokens of labels=, no tracker; timed the same way): {att['counter_floor_s'] * 1e6:.0f} us "
+              f"and steps{', the tokens of labels=' if _by_labels(args) else ''}, no tracker; timed the same way): "
+              f"{att['counter_floor_s'] * 1e6:.0f} us "
               f"= {att['counter_floor_fraction']:.2%}")
     if "tracker_measured_s" in att:
         rest = att["tracker_measured_s"] - att["norm_passes_s"]
@@ -525,7 +542,8 @@ def main() -> int:
                         else None}
         if args.tracker_clip:
             extra_ratios["tracker_clip_ratio"] = round(ratios["tracker_clip"], 4)
-        print(json.dumps({"measure_every": args.measure_every, "measured_one_in": tracker.session.cadence.every,
+        print(json.dumps({"measure_every": args.measure_every, "sizes": args.sizes,
+                          "measured_one_in": tracker.session.cadence.every,
                           "step_time_ratio": round(ratio, 4), "paired_ratio_median": round(q[1], 4),
                           "paired_ratio_quartiles": [round(q[0], 4), round(q[2], 4)], **extra_ratios,
                           "cpu_time_ratio": round(cpu_ratio, 4), "peak_memory_ratio": round(mem_ratio, 4),
@@ -539,7 +557,8 @@ def main() -> int:
 def _forward(args) -> list[str]:
     return ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-sequences", str(args.micro_sequences),
             "--accumulation", str(args.accumulation), "--memory-steps", str(args.memory_steps),
-            "--threads", str(args.threads), "--device", args.device, "--measure-every", args.measure_every]
+            "--threads", str(args.threads), "--device", args.device, "--measure-every", args.measure_every,
+            "--sizes", args.sizes]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 #
 #   scripts/gpu_overhead.sh [DIR]        # skips (exit 0) without CUDA; DIR defaults to a new temp folder
 #   PYTHON=python3 scripts/gpu_overhead.sh out/
+#   GPU_OVERHEAD_ROWS=sizes scripts/gpu_overhead.sh   # the demo with labels= against size= numbers, "auto"
+# The adapters install as cbs_tracker.integrations: install the package (pip install .) before running.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,9 +34,17 @@ bench() {  # name args...
 }
 
 demo=(--preset demo --seq-len 128 --micro-sequences 2)
-bench demo_auto_1 "${demo[@]}" --measure-every auto
-bench demo_auto_2 "${demo[@]}" --measure-every auto
-bench demo_every "${demo[@]}" --attribution-steps 120
-bench gpt10m_every --attribution-steps 30
+case "${GPU_OVERHEAD_ROWS:-all}" in
+  all)
+    bench demo_auto_1 "${demo[@]}" --measure-every auto
+    bench demo_auto_2 "${demo[@]}" --measure-every auto
+    bench demo_every "${demo[@]}" --attribution-steps 120
+    bench gpt10m_every --attribution-steps 30 ;;
+  sizes)  # labels= against size= numbers, "auto" (a window not measured then reads nothing from the device)
+    bench demo_auto_labels "${demo[@]}" --measure-every auto
+    bench demo_auto_numbers_1 "${demo[@]}" --measure-every auto --sizes numbers
+    bench demo_auto_numbers_2 "${demo[@]}" --measure-every auto --sizes numbers ;;
+  *) echo "gpu_overhead: GPU_OVERHEAD_ROWS must be 'all' or 'sizes', not '${GPU_OVERHEAD_ROWS}'" >&2; exit 64 ;;
+esac
 echo "gpu_overhead: logs in $dir"
 exit "$failed"

@@ -73,9 +73,12 @@ def test_the_unmeasured_windows_floor_counts_the_tokens_the_tracker_counts():
             truth += int((y != -100).sum())
             floor.enter(y)
             floor.exit()
+        floor.enter(7)  # a size given as a number (--sizes numbers)
+        floor.exit()
+        truth += 7
         floor.step()
-    assert (floor.microbatches, floor.steps, floor.tokens) == (12, 6, truth)
-    assert truth < 12 * 32
+    assert (floor.microbatches, floor.steps, floor.tokens) == (18, 6, truth)
+    assert truth < 12 * 32 + 6 * 7
 
 
 def test_the_unmeasured_windows_floor_reads_the_host_no_more_often_than_the_tracker():
