@@ -12,6 +12,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 python="${PYTHON:-python}"
+rows="${GPU_OVERHEAD_ROWS:-all}"
+if [[ "$rows" != all && "$rows" != sizes ]]; then
+  echo "gpu_overhead: GPU_OVERHEAD_ROWS must be 'all' or 'sizes', not '$rows'" >&2
+  exit 64
+fi
 dir="${1:-$(mktemp -d)}"
 mkdir -p "$dir"
 if [[ "$("$python" -c 'import torch; print(int(torch.cuda.is_available()))')" != 1 ]]; then
@@ -34,7 +39,7 @@ bench() {  # name args...
 }
 
 demo=(--preset demo --seq-len 128 --micro-sequences 2)
-case "${GPU_OVERHEAD_ROWS:-all}" in
+case "$rows" in
   all)
     bench demo_auto_1 "${demo[@]}" --measure-every auto
     bench demo_auto_2 "${demo[@]}" --measure-every auto
@@ -44,7 +49,6 @@ case "${GPU_OVERHEAD_ROWS:-all}" in
     bench demo_auto_labels "${demo[@]}" --measure-every auto
     bench demo_auto_numbers_1 "${demo[@]}" --measure-every auto --sizes numbers
     bench demo_auto_numbers_2 "${demo[@]}" --measure-every auto --sizes numbers ;;
-  *) echo "gpu_overhead: GPU_OVERHEAD_ROWS must be 'all' or 'sizes', not '${GPU_OVERHEAD_ROWS}'" >&2; exit 64 ;;
 esac
 echo "gpu_overhead: logs in $dir"
 exit "$failed"
