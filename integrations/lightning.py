@@ -27,9 +27,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from cbs_tracker.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
-from cbs_tracker.core.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.loop import group_cap, join_batches, leading_rows, microbatch_layout
@@ -913,7 +913,7 @@ class CBSCalibration(Callback):
 
     @property
     def calibration(self) -> Any:
-        """The :class:`~cbs_tracker.core.calibrate.Calibration` so far."""
+        """The :class:`~cbs_tracker.calibrate.Calibration` so far."""
         return self._at.calibration
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -146,7 +146,7 @@ class TensorBoardLogger:
         """
         if self._closed:
             raise RuntimeError("TensorBoardLogger.log_calibration() called after close()")
-        from cbs_tracker.core.calibrate import calibration_scalars
+        from cbs_tracker.calibrate import calibration_scalars
 
         scalars = calibration_scalars(point)
         writer = self._open()

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from cbs_tracker.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.cadence import check_measure_every
-from cbs_tracker.core.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import loss_scale, reduce_window
@@ -679,7 +679,7 @@ class CBSCalibration(TrainerCallback):
 
     @property
     def calibration(self) -> Any:
-        """The :class:`~cbs_tracker.core.calibrate.Calibration` so far."""
+        """The :class:`~cbs_tracker.calibrate.Calibration` so far."""
         return self._at.calibration
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cbs_tracker import BatchSizeController, CBSTracker
-from cbs_tracker.core.calibrate import Calibration, measure_critical_batch
+from cbs_tracker.calibrate import Calibration, measure_critical_batch
 from cbs_tracker.policy.critical import BranchLosses, critical_batch_interval
 from cbs_tracker.policy.kappa import KappaSchedule
 
@@ -324,7 +324,7 @@ def test_the_preconditioned_frozen_noise_scale_is_the_update_directions():
         st = opt.state[model.theta]
         st["exp_avg_sq"].copy_((1 - 0.999) / torch.tensor([1.0, 100.0], dtype=torch.float64))  # v_hat = 1 / p^2
     gen = torch.Generator().manual_seed(3)
-    from cbs_tracker.core.calibrate import frozen_noise_scale
+    from cbs_tracker.calibrate import frozen_noise_scale
 
     got = frozen_noise_scale(model, opt, loss_fn=lambda m, x: m(x), microbatch_size=64, count=4000, group=4,
                              microbatches=iter(lambda: torch.randn(64, 2, generator=gen, dtype=torch.float64), None))
@@ -348,7 +348,7 @@ class _Stub:
 
 
 def test_calibrate_at_marks_a_mark_at_zero_several_in_one_step_and_skips_those_before_a_resume():
-    from cbs_tracker.core.calibrate import CalibrateAt
+    from cbs_tracker.calibrate import CalibrateAt
 
     model = _Point([1.0])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -380,7 +380,7 @@ def test_calibrate_at_marks_a_mark_at_zero_several_in_one_step_and_skips_those_b
     (dict(evaluate=3), r"evaluate=3: expected a callable"),
 ])
 def test_calibrate_at_checks_its_arguments_when_built(kwargs, match):
-    from cbs_tracker.core.calibrate import CalibrateAt
+    from cbs_tracker.calibrate import CalibrateAt
 
     kw = dict(loss_fn=len, data=len, evaluate=len, microbatch_size=1, branch_tokens=4)
     kw.update(kwargs)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cbs_tracker import BatchSizeController, CBSTracker
-from cbs_tracker.core.calibrate import measure_critical_batch
+from cbs_tracker.calibrate import measure_critical_batch
 from cbs_tracker.policy.kappa import KappaSchedule
 from tests.estimators import NoIntervalEstimator
 
@@ -286,7 +286,7 @@ def test_cbstrainer_calibrates_at_a_mark_during_train_without_touching_the_run(t
 def test_calibration_tags_are_written_at_the_points_units(tmp_path):
     from cbs_tracker.integrations.tensorboard import TensorBoardLogger
 
-    from cbs_tracker.core.calibrate import calibration_scalars
+    from cbs_tracker.calibrate import calibration_scalars
     from tests.test_lightning import _read_tb
 
     _, point = _plain_run(calibrate_at=3)

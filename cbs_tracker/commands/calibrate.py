@@ -66,18 +66,14 @@ def cosine_lr(c: GPTCalibration) -> Callable[[float], float]:
 def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
                   on_point: Callable[[Any], None] | None = None, frozen_only: bool = False) -> Any:
     """Train the demo GPT at a constant batch to each mark and calibrate there; returns the
-    :class:`~cbs_tracker.core.calibrate.Calibration` (``on_point`` is called after each point).
+    :class:`~cbs_tracker.calibrate.Calibration` (``on_point`` is called after each point).
 
     ``frozen_only``: measure only the frozen noise scales at the marks (the same microbatches a
     calibration's frozen measurement takes); returns a list of ``(tokens, FrozenNoiseScale)``."""
     import torch
 
-    from cbs_tracker.core.calibrate import (
-        Calibration,
-        _branch_copy,
-        frozen_noise_scale,
-        measure_critical_batch,
-    )
+    from cbs_tracker.calibrate import Calibration, frozen_noise_scale, measure_critical_batch
+    from cbs_tracker.calibrate.branches import _branch_copy
     from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
     from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
     from cbs_tracker.integrations.plain import CBSTracker

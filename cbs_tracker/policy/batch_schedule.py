@@ -502,7 +502,7 @@ class BatchSchedule:
             raise ValueError("BatchSchedule.from_records(records=[]): no records")
         slot = rows[0]["global_batch"] / (rows[0]["accumulation_steps"] * rows[0]["dp_degree"])
         levels = [int(r["accumulation_steps"] * r["dp_degree"]) for r in rows]
-        from cbs_tracker.commands.plot import change_indices
+        from cbs_tracker.runlog import change_indices
 
         marks = [(0.0, levels[0] * slot)]
         for i in change_indices(levels):
@@ -512,7 +512,7 @@ class BatchSchedule:
     @classmethod
     def from_tensorboard(cls, logdir: str, **kwargs: Any) -> BatchSchedule:
         """The batches a logged run used (its ``cbs/`` tags, one run folder under ``logdir``), as marks."""
-        from cbs_tracker.commands.plot import find_batch_changes, read_cbs_scalars, run_unit
+        from cbs_tracker.runlog import find_batch_changes, read_cbs_scalars, run_unit
 
         runs = read_cbs_scalars(logdir)
         if len(runs) != 1:
