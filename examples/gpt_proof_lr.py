@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,7 +51,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
 
 SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
-             "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04", "tracker_measured")
+             "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04", "tracker_measured",
+             "tracker_kappaNN", "tracker_kappaNN_convert", "seesaw", "hand_ramp", "tracker_cooled")
+#: ``tracker_kappa03``, ``tracker_kappa07``, ...: the default controller at ``kappa = NN / 10``;
+#: ``tracker_kappa04_convert``: the same with ``convert_lr_decay=True``
+_KAPPA_RUN = re.compile(r"tracker_kappa(\d)(\d)(_convert)?")
+#: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
+COOLED_KAPPA = {name: Path(__file__).resolve().parents[1] / "docs" / f"calibration_cooled_{name}_seed0.json"
+                for name in ("full", "prose")}
 #: the kappa of ``tracker_measured`` runs: a calibration of the proof setting by branches
 MEASURED_KAPPA = Path(__file__).resolve().parents[1] / "docs" / "calibration_full_seed0.json"
 #: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
@@ -132,7 +140,37 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController(kappa=0.4)
     if run.schedule == "tracker_measured":
         return BatchSizeController(kappa=measured_kappa())
+    if run.schedule == "tracker_cooled":
+        return BatchSizeController(kappa=measured_kappa(COOLED_KAPPA[setting.name]))
+    kappa_run = _KAPPA_RUN.fullmatch(run.schedule)
+    if kappa_run is not None:
+        kappa = int(kappa_run.group(1)) + int(kappa_run.group(2)) / 10
+        return BatchSizeController(kappa=kappa, convert_lr_decay=kappa_run.group(3) is not None)
+    if run.schedule in ("seesaw", "hand_ramp"):
+        from cbs_tracker.policy.batch_schedule import BatchSchedule
+
+        marks = seesaw_marks(setting, run.lr_schedule) if run.schedule == "seesaw" else base.ramp_marks(setting)
+        return BatchSchedule(marks, microbatch=setting.tracker_micro_sequences * setting.seq_len)
     raise ValueError(f"unknown schedule {run.schedule!r}; expected one of {SCHEDULES}")
+
+
+def seesaw_marks(setting: base.Setting, lr_schedule: str) -> list[tuple[float, int]]:
+    """LR decay turned into growth alone (Seesaw, Meterez et al. 2025): the batch doubles from the
+    starting batch wherever the scheduled LR has halved since its peak (at ``peak * 2**-k``), and
+    nowhere else. The LR schedule still runs and the tracker's ``sqrt`` coupling multiplies each
+    doubling's LR by sqrt(2), so each halving becomes LR x 1/sqrt(2) with the batch x 2, Seesaw's
+    rule for Adam. ``(tokens, global batch)`` marks, found by bisection on the schedule."""
+    marks, batch, level = [(0.0, setting.tracker_start_tokens)], setting.tracker_start_tokens, setting.lr / 2
+    low, end = setting.warmup_tokens, float(setting.budget_tokens)
+    while lr_at(setting, lr_schedule, end) <= level * (1 + 1e-12):
+        lo, hi = low, end  # lr_at is non-increasing after the warm-up: the first point at or below ``level``
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if lr_at(setting, lr_schedule, mid) <= level else (mid, hi)
+        batch *= 2
+        marks.append((hi, batch))
+        low, level = hi, level / 2
+    return marks
 
 
 class RunClock:
@@ -214,15 +252,17 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     base._library_commit()  # read now: the code this run imports, not a commit made while it trains
     from cbs_tracker.integrations.plain import CBSTracker
 
-    from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+    from cbs_tracker.demo.corpus import SequenceStream, evaluate
     from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
     torch.set_num_threads(1)
-    corpus = load_corpus(setting.corpus_max_bytes)
+    corpus = base.load_setting_corpus(setting)
     micro_seqs = setting.tracker_micro_sequences
     micro_tokens = micro_seqs * setting.seq_len
     fast = run.schedule == "constant_fast"
     start = BASELINE_TOKENS if run.schedule in ("constant", "constant_fast") else setting.tracker_start_tokens
+    if run.schedule == "hand_ramp":
+        start = setting.ramp[0][0]  # the ramp's first batch from the first step
     if fast:
         micro_seqs = BASELINE_TOKENS // setting.seq_len  # the whole step as one microbatch
         micro_tokens = micro_seqs * setting.seq_len

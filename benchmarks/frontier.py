@@ -1,0 +1,258 @@
+"""The frontier of batch-growth rules, measured end to end: final loss against optimizer steps saved.
+
+Each rule trains the whole run (the same model, data order, token budget and LR schedule as the
+constant batch of its seed) and is read at its end, after the LR schedule's last decay: the
+held-out loss minus the constant batch's, paired by seed (mean and the 90% t-interval over the
+seeds), against the share of the constant run's optimizer steps it did not take. A rule that
+trains branches (``cooled``) adds their tokens, shown beside its steps.
+
+Two settings unlike each other (``examples/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+128, context 128, the standard library's code, 5.2M tokens, about 9 minutes a run on one core),
+and ``prose`` (3 layers x 96, context 64, the standard library's docstrings, 2.1M tokens, about
+5 minutes). Rules (``RULES``): ``constant`` (512 tokens throughout), ``kappa0.3`` ... ``kappa0.7``
+(the controller at that ``kappa``; ``kappa0.5`` is the default), ``seesaw`` (LR decay turned into
+growth alone: the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the
+controller with ``convert_lr_decay``), ``measured`` / ``cooled`` (``kappa`` from branches without
+and with an LR cooldown), ``hand_ramp`` (2k -> 4k -> 8k -> 16k tokens at 1/2, 3/4, 9/10).
+
+Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
+sessions; ``points`` is recomputed from them at each report::
+
+    python benchmarks/frontier.py --setting prose --rules constant,kappa0.4,kappa0.5,seesaw --seeds 0,1,2,3
+    python benchmarks/frontier.py --setting full --schedule wsd --rules constant,kappa0.4 --seeds 0,1
+    python benchmarks/frontier.py --report          # the JSON's points, the table and docs/frontier.png
+
+Runs go to ``--out`` (default ``runs/frontier/<setting>``), two processes at a time (``--jobs``);
+a run already in the JSON for the same setting key is not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import gpt_proof as base  # noqa: E402
+import gpt_proof_lr as proof_lr  # noqa: E402
+
+#: frontier rule -> the run schedule of ``examples/gpt_proof_lr.py``
+RULES = {
+    "constant": "constant",
+    "kappa0.3": "tracker_kappa03",
+    "kappa0.4": "tracker_kappa04",
+    "kappa0.5": "tracker_default",
+    "kappa0.6": "tracker_kappa06",
+    "kappa0.7": "tracker_kappa07",
+    "seesaw": "seesaw",
+    "kappa0.4+convert": "tracker_kappa04_convert",
+    "kappa0.5+convert": "tracker_convert",
+    "measured": "tracker_measured",
+    "cooled": "tracker_cooled",
+    "hand_ramp": "hand_ramp",
+}
+SCHEDULE_OF = {v: k for k, v in RULES.items()}
+DOC = ROOT / "docs" / "frontier.json"
+PICTURE = ROOT / "docs" / "frontier.png"
+#: two-sided 90% t quantiles (0.95) by degrees of freedom
+T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+KEEP = ("final_val_loss", "steps", "tokens", "final_batch_tokens", "lr_conversions", "library_commit", "train_only_s")
+
+
+def load(path: Path = DOC) -> dict[str, Any]:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"runs": [], "points": []}
+
+
+def run_key(r: dict[str, Any]) -> tuple[str, str, str, int]:
+    return (r["setting_key"], r["schedule"], r["lr_schedule"], int(r["seed"]))
+
+
+def compact(result: dict[str, Any], setting: base.Setting, source: str) -> dict[str, Any]:
+    """What the frontier keeps of a run: its end, its batch changes and its validation curve."""
+    trace = result.get("trace", {})
+    changes, last = [], None
+    for tokens, batch in zip(trace.get("tokens", []), trace.get("global_batch", [])):
+        if batch != last:
+            changes.append([tokens, batch])
+            last = batch
+    row = {"setting": setting.name, "setting_key": setting.key(), "rule": SCHEDULE_OF[result["schedule"]],
+           "schedule": result["schedule"], "lr_schedule": result["lr_schedule"], "seed": result["seed"],
+           **{k: result.get(k) for k in KEEP}, "branch_tokens": result.get("branch_tokens", 0),
+           "batch_changes": changes, "source": source}
+    if "evals" in result:
+        row["val_curve"] = [[t, v] for t, v in zip(result["evals"]["tokens"], result["evals"]["val_loss"])]
+    return row
+
+
+def paired(deltas: list[float]) -> tuple[float, float | None, float | None]:
+    """Mean, standard error and the upper end of the two-sided 90% t-interval of paired differences."""
+    mean = statistics.fmean(deltas)
+    if len(deltas) < 2:
+        return mean, None, None
+    se = statistics.stdev(deltas) / math.sqrt(len(deltas))
+    return mean, se, mean + T95[min(len(deltas) - 1, 9)] * se
+
+
+def points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per setting, LR schedule and rule, paired by seed against the constant batch."""
+    by = {(r["setting"], r["lr_schedule"], r["rule"], r["seed"]): r for r in runs}
+    out = []
+    for setting, lr_schedule, rule in sorted({(r["setting"], r["lr_schedule"], r["rule"]) for r in runs}):
+        if rule == "constant":
+            continue
+        seeds = sorted(s for (st, ls, ru, s) in by if (st, ls, ru) == (setting, lr_schedule, rule)
+                       and (setting, lr_schedule, "constant", s) in by)
+        if not seeds:
+            continue
+        rows = [by[(setting, lr_schedule, rule, s)] for s in seeds]
+        refs = [by[(setting, lr_schedule, "constant", s)] for s in seeds]
+        deltas = [r["final_val_loss"] - c["final_val_loss"] for r, c in zip(rows, refs)]
+        saved = [1.0 - r["steps"] / c["steps"] for r, c in zip(rows, refs)]
+        mean, se, upper = paired(deltas)
+        out.append({
+            "setting": setting, "schedule": lr_schedule, "rule": rule, "seeds": seeds,
+            "delta_mean": round(mean, 5), "delta_se": None if se is None else round(se, 5),
+            "delta_upper90": None if upper is None else round(upper, 5),
+            "deltas": [round(d, 5) for d in deltas],
+            "steps_saved": round(statistics.fmean(saved), 4), "steps_saved_range": [round(min(saved), 4),
+                                                                                    round(max(saved), 4)],
+            "branch_tokens": statistics.fmean(r.get("branch_tokens", 0) for r in rows),
+            "final_batch": [r["final_batch_tokens"] for r in rows],
+        })
+    return out
+
+
+def table(pts: list[dict[str, Any]]) -> str:
+    lines = ["| setting | LR schedule | rule | seeds | loss vs constant (mean) | upper end of 90% interval | "
+             "fewer optimizer steps (mean, range) | branch tokens |", "|---|---|---|---|---|---|---|---|"]
+    for p in pts:
+        upper = "" if p["delta_upper90"] is None else f"{p['delta_upper90']:+.4f}"
+        lo, hi = p["steps_saved_range"]
+        lines.append(f"| {p['setting']} | {p['schedule']} | {p['rule']} | {','.join(map(str, p['seeds']))} | "
+                     f"{p['delta_mean']:+.4f} | {upper} | {p['steps_saved']:.0%} ({lo:.0%}–{hi:.0%}) | "
+                     f"{p['branch_tokens'] / 1e6:.1f}M |" if p["branch_tokens"] else
+                     f"| {p['setting']} | {p['schedule']} | {p['rule']} | {','.join(map(str, p['seeds']))} | "
+                     f"{p['delta_mean']:+.4f} | {upper} | {p['steps_saved']:.0%} ({lo:.0%}–{hi:.0%}) | |")
+    return "\n".join(lines) + "\n"
+
+
+def draw(pts: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({p["setting"] for p in pts})
+    fig, axes = plt.subplots(1, max(1, len(settings)), figsize=(6.5 * max(1, len(settings)), 4.8), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        for p in (p for p in pts if p["setting"] == setting):
+            marker = "o" if p["schedule"] == "cosine" else "s"
+            err = None if p["delta_upper90"] is None else [[p["delta_upper90"] - p["delta_mean"]],
+                                                           [p["delta_upper90"] - p["delta_mean"]]]
+            ax.errorbar(100 * p["steps_saved"], p["delta_mean"], yerr=err, fmt=marker, capsize=3,
+                        color="tab:blue" if p["schedule"] == "cosine" else "tab:orange")
+            ax.annotate(f"{p['rule']} ({len(p['seeds'])})", (100 * p["steps_saved"], p["delta_mean"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.axhline(0.005, color="gray", lw=0.8, ls=":")
+        ax.axvline(60, color="gray", lw=0.8, ls=":")
+        ax.set_title(f"{setting}: final held-out loss vs constant 512 (circles cosine, squares WSD)", fontsize=9)
+        ax.set_xlabel("optimizer steps saved against constant 512 (%)")
+        ax.set_ylabel("final loss minus constant's, paired by seed (nats); bars: 90% interval")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(doc: dict[str, Any], path: Path = DOC, picture: Path | None = PICTURE) -> None:
+    doc["points"] = points(doc["runs"])
+    doc["runs"].sort(key=lambda r: (r["setting"], r["lr_schedule"], r["rule"], r["seed"]))
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(table(doc["points"]))
+    if picture is not None and doc["points"]:
+        draw(doc["points"], picture)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--setting", choices=sorted(base.SETTINGS), default="prose")
+    p.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine", help="the LR schedule of every run")
+    p.add_argument("--rules", default="constant", help=f"comma-separated, of {', '.join(RULES)}")
+    p.add_argument("--seeds", default="0,1,2,3")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", default=None, help="per-run outputs (default runs/frontier/<setting>)")
+    p.add_argument("--doc", default=str(DOC), help="the frontier JSON the runs are added to")
+    p.add_argument("--report", action="store_true", help="run nothing; recompute the points and the picture")
+    args = p.parse_args(argv)
+    doc_path = Path(args.doc)
+    doc = load(doc_path)
+    picture = PICTURE if doc_path == DOC else doc_path.with_suffix(".png")
+    if args.report:
+        report(doc, doc_path, picture)
+        return 0
+    setting = base.SETTINGS[args.setting]
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    unknown = [r for r in rules if r not in RULES]
+    if unknown:
+        p.error(f"--rules: unknown {unknown}; choose from {list(RULES)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds={args.seeds!r}: expected integers separated by commas")
+    if args.jobs < 1:
+        p.error(f"--jobs={args.jobs}: must be >= 1")
+    out = Path(args.out or f"runs/frontier/{setting.name}")
+    have = {run_key(r) for r in doc["runs"]}
+    todo = [proof_lr.Run(RULES[rule], seed, args.schedule) for seed in seeds for rule in rules
+            if (setting.key(), RULES[rule], args.schedule, seed) not in have]
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if setting.corpus == "docs":
+        base.docstring_corpus()  # parsed once here, so the workers read it from the cache file
+    running: list[tuple[proof_lr.Run, subprocess.Popen[bytes]]] = []
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            run = todo.pop(0)
+            cmd = [sys.executable, str(ROOT / "examples" / "gpt_proof_lr.py"), "--worker", json.dumps([asdict(run)]),
+                   "--setting", setting.name, "--out", str(out)]
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            log = open(out / "logs" / f"{run.name}.log", "wb")  # noqa: SIM115
+            running.append((run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
+            print(f"[{time.strftime('%H:%M:%S')}] start {setting.name} {run.name}", flush=True)
+        time.sleep(1.0)
+        for item in list(running):
+            run, proc = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            path = out / "runs" / f"{run.name}.json"
+            if proc.returncode != 0 or not path.exists():
+                print(f"[{time.strftime('%H:%M:%S')}] FAILED {run.name} (log: {out / 'logs' / run.name}.log)",
+                      flush=True)
+                continue
+            result = json.loads(path.read_text())
+            doc = load(doc_path)  # another invocation may have added runs meanwhile
+            doc["runs"] = [r for r in doc["runs"] if run_key(r) != (setting.key(), run.schedule, run.lr_schedule,
+                                                                    run.seed)]
+            doc["runs"].append(compact(result, setting, source=f"python benchmarks/frontier.py --setting "
+                                       f"{setting.name} --schedule {run.lr_schedule} --rules "
+                                       f"{SCHEDULE_OF[run.schedule]} --seeds {run.seed}"))
+            report(doc, doc_path, None)
+            print(f"[{time.strftime('%H:%M:%S')}] done  {run.name}: {result['final_val_loss']:.5f}, "
+                  f"{result['steps']} steps", flush=True)
+    report(load(doc_path), doc_path, picture)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
