@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             if (setting.key(), RULES[rule], args.schedule, seed) not in have]
     (out / "logs").mkdir(parents=True, exist_ok=True)
     if setting.corpus == "docs":
-        base.docstring_corpus()  # parsed once here, so the workers read it from the cache file
+        base.load_setting_corpus(setting)  # parsed once here, so the workers read it from the cache file
     running: list[tuple[proof_lr.Run, subprocess.Popen[bytes]]] = []
     while todo or running:
         while todo and len(running) < args.jobs:

@@ -151,56 +151,14 @@ TINY = replace(QUICK, name="tiny", budget_tokens=65_536, tracker_start_tokens=51
 SETTINGS = {s.name: s for s in (FULL, QUICK, PROSE, TINY)}
 
 
-def docstring_corpus(val_fraction: float = 0.01) -> Any:
-    """The docstrings of the standard library's ``.py`` files as a byte-level :class:`Corpus`.
-
-    Module, class and function docstrings (cleaned by ``ast.get_docstring``), in the order
-    of :func:`corpus_files` and, within a file, of ``ast.walk``; joined by blank lines. About
-    2.3 MB of English prose on CPython 3.11. Parsing the library takes 15-40 s, so the bytes
-    are kept in a file under the system's temporary folder, named by the library's path and
-    the Python version, and read from there by later processes.
-    """
-    import ast
-    import tempfile
-
-    import numpy as np
-
-    from cbs_tracker.demo.corpus import Corpus, corpus_files, stdlib_root
-
-    root = stdlib_root()
-    tag = hashlib.sha256(f"{root}|{sys.version}".encode()).hexdigest()[:12]
-    cache = Path(tempfile.gettempdir()) / f"cbs_tracker_docstrings_{tag}.bin"
-    if cache.exists():
-        blob = cache.read_bytes()
-    else:
-        docs = []
-        for path in corpus_files(root):
-            try:
-                tree = ast.parse(path.read_bytes())
-            except (SyntaxError, ValueError):  # a few test files are not valid Python on purpose
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node, clean=True)
-                    if doc:
-                        docs.append(doc)
-        blob = "\n\n".join(docs).encode("utf-8", errors="replace")
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, cache)  # atomic: parallel workers never read half a file
-    data = np.frombuffer(blob, dtype=np.uint8)
-    split = data.size - int(math.floor(val_fraction * data.size))
-    return Corpus(train=data[:split], val=data[split:], num_files=0, root=str(root))
-
-
 def load_setting_corpus(setting: Setting) -> Any:
     """The corpus a setting trains on: the standard library's code, or its docstrings."""
-    from cbs_tracker.demo.corpus import load_corpus
+    from cbs_tracker.demo.corpus import load_corpus, load_docstrings
 
     if setting.corpus == "code":
         return load_corpus(setting.corpus_max_bytes)
     if setting.corpus == "docs":
-        return docstring_corpus()
+        return load_docstrings()
     raise ValueError(f"Setting(corpus={setting.corpus!r}): expected 'code' or 'docs'")
 
 SCHEDULES = ("constant", "hand_ramp", "tracker_default", "tracker_budget")

@@ -30,7 +30,8 @@ from cbs_tracker.policy.critical import BranchLosses, CriticalBatchInterval, cri
 from cbs_tracker.policy.kappa import KappaSchedule
 from cbs_tracker.policy.lr import coupling_factor, resolve_coupling
 
-__all__ = ["CalibrateAt", "Calibration", "calibration_scalars", "CalibrationPoint", "FrozenNoiseScale", "frozen_noise_scale", "measure_critical_batch"]
+__all__ = ["CalibrateAt", "Calibration", "calibration_scalars", "CalibrationPoint", "FrozenNoiseScale", "branch_lr_factors",
+           "cooldown_factor", "frozen_noise_scale", "measure_critical_batch"]
 
 DEFAULT_MULTIPLES = (0.5, 1.0, 2.0, 4.0, 8.0)
 _log = logging.getLogger(__name__)
@@ -517,6 +518,50 @@ class CalibrateAt:
         return point
 
 
+COOLDOWN_SHAPES = ("sqrt", "linear")
+
+
+def cooldown_factor(position: float, *, cooldown: float, shape: str = "sqrt", floor: float = 0.0) -> float:
+    """The LR multiplier of a branch's cooldown at ``position`` in ``[0, 1]`` of the branch.
+
+    1 before the last ``cooldown`` fraction of the branch; over it the LR falls from 1 to
+    ``floor``: ``1 - sqrt(s)`` (``shape="sqrt"``, the WSD cooldown of Hägele et al. 2024) or
+    ``1 - s`` (``"linear"``) of the way, ``s`` the share of the cooldown passed. ``cooldown=0``
+    is no cooldown (always 1).
+    """
+    if cooldown <= 0.0:
+        return 1.0
+    s = (position - (1.0 - cooldown)) / cooldown
+    if s <= 0.0:
+        return 1.0
+    s = min(s, 1.0)
+    fall = math.sqrt(s) if shape == "sqrt" else s
+    return 1.0 - (1.0 - floor) * fall
+
+
+def branch_lr_factors(steps: int, *, step_units: float, tokens: float, lr_mult: float,
+                      lr_schedule: Callable[[float], float] | None = None, cooldown: float = 0.0,
+                      cooldown_shape: str = "sqrt", cooldown_to: float = 0.0, base_lr: float | None = None,
+                      max_lr: float | None = None) -> list[float]:
+    """The factor on the run's LR at each of a branch's ``steps`` steps of ``step_units`` units.
+
+    The run's schedule at the step's end over its value at the branch point (``tokens``), times
+    the batch coupling ``lr_mult``, capped so that ``base_lr * factor <= max_lr``, then times
+    the cooldown's multiplier at the step's middle (:func:`cooldown_factor`), so that branches
+    of every batch anneal over the same units.
+    """
+    lr0 = 1.0 if lr_schedule is None else float(lr_schedule(tokens))
+    out = []
+    for step in range(steps):
+        sched = 1.0 if lr_schedule is None else float(lr_schedule(tokens + (step + 1) * step_units)) / lr0
+        factor = sched * lr_mult
+        if max_lr is not None and base_lr is not None and base_lr > 0 and base_lr * factor > max_lr:
+            factor = max_lr / base_lr
+        out.append(factor * cooldown_factor((step + 0.5) / steps, cooldown=cooldown, shape=cooldown_shape,
+                                            floor=cooldown_to))
+    return out
+
+
 def measure_critical_batch(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -542,6 +587,9 @@ def measure_critical_batch(
     seed: int = 0,
     make_optimizer: Callable[[Iterable[Any]], torch.optim.Optimizer] | None = None,
     log: Callable[[str], None] | None = None,
+    cooldown: float = 0.0,
+    cooldown_shape: str = "sqrt",
+    cooldown_to: float = 0.0,
 ) -> CalibrationPoint:
     """Measure the critical batch at the run's current state by short branches at ``k * batch``.
 
@@ -587,6 +635,14 @@ def measure_critical_batch(
         seed: the torch seed of each branch is ``seed + replicate`` (dropout and the like).
         make_optimizer: builds a branch optimizer from param groups.
         log: called with a line after each branch.
+        cooldown: the fraction of each branch (``[0, 1]``) over which its LR anneals before the
+            evaluation (0, the default: none). Short branches without one favour the larger
+            batch, whose lower gradient noise lowers the loss at once the way an LR decay does;
+            an annealed branch compares the models with their noise removed, as the run's own
+            final decay will (Hägele et al. 2024).
+        cooldown_shape: ``"sqrt"`` (``1 - sqrt(s)``, the default) or ``"linear"``.
+        cooldown_to: the LR the cooldown ends at, as a fraction of the branch's LR where it
+            starts (default 0; the schedule's final ratio to anneal as the run will).
 
     Returns:
         The :class:`CalibrationPoint`.
@@ -620,6 +676,12 @@ def measure_critical_batch(
     _check("clip_grad_norm", clip_grad_norm, allow_none=True)
     _check("fuse_microbatches", fuse_microbatches, integer=True)
     _check("frozen_microbatches", frozen_microbatches, positive=False, integer=True)
+    if isinstance(cooldown, bool) or not isinstance(cooldown, (int, float)) or not 0.0 <= cooldown <= 1.0:
+        raise ValueError(f"{_OWNER}(cooldown={cooldown!r}): must be a fraction of the branch in [0, 1] (0: none)")
+    if cooldown_shape not in COOLDOWN_SHAPES:
+        raise ValueError(f"{_OWNER}(cooldown_shape={cooldown_shape!r}): must be one of {COOLDOWN_SHAPES}")
+    if isinstance(cooldown_to, bool) or not isinstance(cooldown_to, (int, float)) or not 0.0 <= cooldown_to <= 1.0:
+        raise ValueError(f"{_OWNER}(cooldown_to={cooldown_to!r}): must be a fraction of the LR in [0, 1]")
     if 0 < frozen_microbatches < 8:
         raise ValueError(f"{_OWNER}(frozen_microbatches={frozen_microbatches}): 0 (skip) or >= 8 (two groups of 4)")
     for name, fn in (("loss_fn", loss_fn), ("data", data), ("evaluate", evaluate)):
@@ -668,15 +730,11 @@ def measure_critical_batch(
         base_lrs = [lr * capped for lr in base_lrs]
 
     def lr_factor_at(m: float, lr_mult: float) -> Callable[[int], float]:
-        step_units = m * batch
-
-        def at(step: int) -> float:
-            sched = 1.0 if lr_schedule is None else float(lr_schedule(tokens + (step + 1) * step_units)) / lr0
-            factor = sched * lr_mult
-            if max_lr is not None and base_lrs[0] * factor > max_lr:
-                factor = max_lr / base_lrs[0]
-            return factor
-        return at
+        factors = branch_lr_factors(steps_of[m], step_units=m * batch, tokens=tokens, lr_mult=lr_mult,
+                                    lr_schedule=lr_schedule, cooldown=cooldown, cooldown_shape=cooldown_shape,
+                                    cooldown_to=cooldown_to, base_lr=base_lrs[0] if base_lrs else None,
+                                    max_lr=max_lr)
+        return factors.__getitem__
 
     def branch(m: float, lr_mult: float, replicate: int) -> float:
         fuse = math.gcd(accum[m], fuse_microbatches)
