@@ -57,6 +57,7 @@ class Setting:
     seeds: tuple[int, ...] = (0, 1)
     trace_every_tokens: int = 8192
     corpus: str = "code"  # "code": the standard library's .py files; "docs": their docstrings (English prose)
+    constant_tokens: int | None = None  # the constant batch of gpt_proof_lr.py's "constant" runs (None: 512)
 
     def key(self) -> str:
         """A short hash of what decides how a run trains; results carry it so that settings never mix.
@@ -68,6 +69,8 @@ class Setting:
         fields = {k: v for k, v in asdict(self).items() if k not in ("name", "constants", "seeds")}
         if fields["corpus"] == "code":
             del fields["corpus"]
+        if fields["constant_tokens"] is None:
+            del fields["constant_tokens"]
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -119,8 +122,9 @@ QUICK = Setting(
 )
 
 #: A second setting unlike the proof: deeper and narrower, half the context, another corpus (the
-#: standard library's docstrings: English prose, not code), 2M tokens; about five minutes a run
-#: on one core. The same starting batch (512 tokens, 2 x 256-token microbatches) and optimizer.
+#: standard library's docstrings: English prose, not code), 2M tokens. Its noise scale (about 1k
+#: tokens for most of the run) is about half the proof's, so it starts at 256 tokens (2 x 128-token
+#: microbatches), a quarter of it or less, as the proof's 512 is of the proof's.
 PROSE = Setting(
     name="prose",
     budget_tokens=2 * 2**20,
@@ -133,15 +137,16 @@ PROSE = Setting(
     warmup_tokens=80_000,
     weight_decay=0.1,
     clip=1.0,
-    micro_sequences=8,
-    tracker_micro_sequences=4,
-    tracker_start_tokens=512,
-    constants=(512,),
-    ramp=((2048, 0.5), (4096, 0.25), (8192, 0.15), (16384, 0.10)),
+    micro_sequences=4,
+    tracker_micro_sequences=2,
+    tracker_start_tokens=256,
+    constants=(256,),
+    ramp=((1024, 0.5), (2048, 0.25), (4096, 0.15), (8192, 0.10)),
     eval_every_tokens=65_536,
     eval_sequences=512,
     corpus_max_bytes=None,
     corpus="docs",
+    constant_tokens=256,
 )
 
 #: A seconds-long setting whose starting batch is the constant 512 of the frontier's runs (tests).

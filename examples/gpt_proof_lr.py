@@ -261,6 +261,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     micro_tokens = micro_seqs * setting.seq_len
     fast = run.schedule == "constant_fast"
     start = BASELINE_TOKENS if run.schedule in ("constant", "constant_fast") else setting.tracker_start_tokens
+    if run.schedule in ("constant", "constant_fast") and setting.constant_tokens is not None:
+        start = setting.constant_tokens  # the setting's own constant batch (the run keeps its name)
     if run.schedule == "hand_ramp":
         start = setting.ramp[0][0]  # the ramp's first batch from the first step
     if fast:
