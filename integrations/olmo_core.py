@@ -82,7 +82,9 @@ class CBSOlmoCallback(Callback):
             OLMo-core cannot reach by whole factors.
     """
 
-    priority = 0
+    #: before OLMo-core's ``CheckpointerCallback`` (1), which saves in ``post_train_batch``: the step is
+    #: recorded (and its decision made) there first, so a checkpoint holds the step it was taken after
+    priority = 2
 
     def __init__(
         self,
@@ -473,16 +475,23 @@ class CBSOlmoCallback(Callback):
     def _reapply(self) -> None:
         """The batch and the LR coupling of the restored state, on the loader and the optimizer.
 
-        The loader's ``batches_processed`` was saved in batches of the grown size, so its size is
-        set as it was (not through the setter, which would convert the count); each param group's
-        ``initial_lr`` is the configured one times the coupling (OLMo-core's optimizer state does
-        not keep the coupled value).
+        A text loader restores its position from the tokens it processed, counted in batches of the
+        size it was built with; at the restored size that position is ``tokens_processed // size``
+        (whole: OLMo-core grows a batch only where the tokens so far are a multiple of the new size).
+        Each param group's ``initial_lr`` is the configured one times the coupling (OLMo-core's
+        optimizer state does not keep the coupled value).
         """
         session = self.session
         if session is None:
             return
         loader = self.trainer.data_loader
-        loader._global_batch_size = session.accumulation_steps * self._micro_tokens * session.dp_degree
+        size = session.accumulation_steps * self._micro_tokens * session.dp_degree
+        tokens = getattr(loader, "tokens_processed", None)
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            loader._global_batch_size = size
+            loader.batches_processed = tokens // size
+        elif loader.global_batch_size != size:
+            loader.global_batch_size = size
         module = self.trainer.train_module
         factor = coupling_factor(session.coupling_mode, session.accumulation_steps / session.starting_accumulation)
         session.coupling = factor

@@ -1,7 +1,7 @@
 """OLMo-core runs for ``tests/test_olmo_core.py``: the real ``Trainer`` on the CPU, one process or spawned gloo ranks.
 
 The model is OLMo-core's smallest (``olmo2_1M``, vocabulary 256) on the embedded corpus
-(bytes of the standard library as a ``uint16`` token file). One microbatch is one sequence
+(bytes of the standard library as a ``uint8`` token file). One microbatch is one sequence
 of ``SEQ`` tokens on each rank, so the microbatches of a step are the same sequences at any
 number of ranks (OLMo-core hands each rank a slice of the same global batch): a run on two
 ranks and one on one process measure the same per-microbatch gradients.
@@ -26,13 +26,13 @@ LR = 3e-3
 
 
 def token_file(work: str) -> str:
-    """The embedded corpus's first bytes as the uint16 token file OLMo-core's numpy dataset reads."""
+    """The embedded corpus's first bytes as the token file OLMo-core's numpy dataset reads (uint8: vocabulary 256)."""
     path = os.path.join(work, "corpus.npy")
     if not os.path.exists(path):
         from cbs_tracker.demo.corpus import load_corpus
 
-        data = load_corpus(max_bytes=64 * 1024).train.astype(np.uint16)
-        mm = np.memmap(path + ".tmp", dtype=np.uint16, mode="w+", shape=data.shape)
+        data = load_corpus(max_bytes=64 * 1024).train
+        mm = np.memmap(path + ".tmp", dtype=np.uint8, mode="w+", shape=data.shape)
         mm[:] = data
         mm.flush()
         del mm
