@@ -32,11 +32,12 @@ def token_file(work: str) -> str:
         from cbs_tracker.demo.corpus import load_corpus
 
         data = load_corpus(max_bytes=64 * 1024).train
-        mm = np.memmap(path + ".tmp", dtype=np.uint8, mode="w+", shape=data.shape)
+        tmp = f"{path}.{os.getpid()}.tmp"  # ranks may write it at once: each its own, then one atomic rename
+        mm = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=data.shape)
         mm[:] = data
         mm.flush()
         del mm
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     return path
 
 
@@ -136,7 +137,10 @@ def run_ranks(rank: int, world: int, init_file: str, out_dir: str, names: list[s
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
+        import olmo_core.distributed.parallel as parallel
+
         for name in names:
+            parallel._WORLD_MESH = None  # OLMo-core builds one world mesh per process; each scenario its own
             payload = SCENARIOS[name](rank, out_dir)
             path = Path(out_dir) / f"{name}.rank{rank}.json"
             path.write_text(json.dumps(payload))

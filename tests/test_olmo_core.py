@@ -262,7 +262,9 @@ def test_two_ranks_grow_alike_and_measure_what_one_process_measures(two_ranks, g
         assert row["global_batch"] == ref.global_batch and row["tokens_seen"] == ref.tokens_seen
         assert row["lr"] == pytest.approx(ref.lr, rel=1e-6)
         for field in ("noise_scale", "grad_sq_norm", "trace_cov"):
-            assert row[field] == pytest.approx(getattr(ref, field), rel=1e-3), (row["step"], field)
+            a, b = row[field], getattr(ref, field)
+            assert (a is None and b is None) or a == pytest.approx(b, rel=1e-3), (row["step"], field)
+    assert ranks[0]["records"][-1]["noise_scale"] is not None
     for mine, ref in zip(ranks[0]["grad_sq"], grown["steps"]):
         assert mine == pytest.approx(_sq(ref["grad"]), rel=1e-4)
     final = torch.cat([p.flatten() for p in grown["params"].values()]).double()
