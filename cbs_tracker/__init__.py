@@ -1,7 +1,7 @@
 """cbs-tracker: measure the gradient noise scale online and grow the batch when the run can use it.
 
 The package re-exports its public names; each lives in a module of its own.
-Names whose module needs an optional dependency (Lightning, TensorBoard) are
+Names whose module needs an optional dependency (Lightning, TensorBoard, OLMo-core) are
 imported on first use, so ``import cbs_tracker`` needs only torch and numpy.
 """
 
@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "CBSCallback": "cbs_tracker.integrations.lightning",
     "CBSDataLoader": "cbs_tracker.integrations.lightning",
     "CBSTrainer": "cbs_tracker.integrations.transformers",
+    "CBSOlmoCallback": "cbs_tracker.integrations.olmo_core",
     "label_tokens": "cbs_tracker.core.units",
     "measure_critical_batch": "cbs_tracker.calibrate",
     "Calibration": "cbs_tracker.calibrate",
