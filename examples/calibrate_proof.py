@@ -11,6 +11,7 @@ every point.
     python examples/calibrate_proof.py --out runs/calib                                   # proof setting
     python examples/calibrate_proof.py --setting deep --branch-tokens 131072 --out runs/calib  # second setting
     python examples/calibrate_proof.py --setting quick --out /tmp/calib                   # smoke test
+    python examples/calibrate_proof.py --setting prose --cooldowns 0,0.5 --multiples 1,2,4,8 --no-control --out runs/calib
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import gpt_proof as base  # noqa: E402
 #: the second setting: a narrower, twice as deep GPT at half the context (64 tokens, 4-sequence
 #: microbatches: the same 256-token microbatch), about the same cost per token on a CPU
 DEEP = replace(base.FULL, name="deep", seq_len=64, n_layer=4, d_model=96, n_head=3, tracker_micro_sequences=4)
-SETTINGS = {"full": base.FULL, "deep": DEEP, "quick": base.QUICK}
+SETTINGS = {"full": base.FULL, "deep": DEEP, "quick": base.QUICK, "prose": base.PROSE}
 CHECKPOINTS = {"full": (250_000, 500_000, 1_000_000, 2_000_000), "deep": (250_000, 500_000, 1_000_000, 2_000_000),
-               "quick": (8192, 16384)}
-BRANCH_TOKENS = {"full": 262_144, "deep": 262_144, "quick": 4096}
+               "quick": (8192, 16384), "prose": (250_000, 500_000, 1_000_000)}
+BRANCH_TOKENS = {"full": 262_144, "deep": 262_144, "quick": 4096, "prose": 131_072}
 
 
 def _num(x: float | None, spec: str = ",.0f") -> str:
@@ -91,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicates", type=int, default=2)
     p.add_argument("--branch-tokens", type=int, default=None)
     p.add_argument("--checkpoints", type=str, default=None, help="comma-separated token marks")
+    p.add_argument("--cooldowns", type=str, default="0",
+                   help="comma-separated fractions of each branch over which its LR anneals (1-sqrt) before the "
+                        "evaluation; one measurement per value at every checkpoint, from the same state (default 0: "
+                        "none). Points with a cooldown go to <out>/calibration_cooled_<setting>_seed<s>.json")
+    p.add_argument("--multiples", type=str, default="0.5,1,2,4,8", help="branch batch multiples (default 0.5,1,2,4,8)")
+    p.add_argument("--no-control", action="store_true", help="no LR control branch")
     p.add_argument("--frozen-only", action="store_true",
                    help="measure only the frozen noise scales at the checkpoints (no branches); writes "
                         "<out>/frozen_<setting>_seed<s>.json")
@@ -115,25 +122,35 @@ def main(argv: list[str] | None = None) -> int:
     s = SETTINGS[args.setting]
     marks = (tuple(float(x) for x in args.checkpoints.split(",")) if args.checkpoints else CHECKPOINTS[args.setting])
     branch_tokens = args.branch_tokens or BRANCH_TOKENS[args.setting]
-    start = 512 if args.setting != "quick" else s.tracker_start_tokens
+    start = s.constant_tokens or (512 if args.setting != "quick" else s.tracker_start_tokens)
+    cooldowns = tuple(float(x) for x in args.cooldowns.split(","))
+    if not cooldowns or any(not 0.0 <= x <= 1.0 for x in cooldowns) or sum(x > 0 for x in cooldowns) > 1:
+        p.error(f"--cooldowns={args.cooldowns!r}: fractions in [0, 1], at most one of them above 0")
     micro = s.tracker_micro_sequences * s.seq_len
     c = GPTCalibration(
         marks=marks, run_tokens=s.budget_tokens, branch_tokens=branch_tokens, seq_len=s.seq_len, n_layer=s.n_layer,
         d_model=s.d_model, n_head=s.n_head, micro_sequences=s.tracker_micro_sequences, accumulation=start // micro,
         lr=s.lr, min_lr_ratio=s.min_lr_ratio, warmup_tokens=s.warmup_tokens, weight_decay=s.weight_decay,
         clip=s.clip, replicates=args.replicates, eval_sequences=s.eval_sequences, max_bytes=s.corpus_max_bytes,
-        seed=args.seed)
+        seed=args.seed, corpus=s.corpus, cooldowns=cooldowns,
+        multiples=tuple(float(x) for x in args.multiples.split(",")), control=not args.no_control)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"calibration_{s.name}_seed{args.seed}.json"
-
     def save(calibration) -> None:
+        from cbs_tracker.calibrate import Calibration
+
         print(calibration.table(), flush=True)
-        path.write_text(json.dumps({
-            "setting": s.name, "setting_key": s.key(), "seed": args.seed, "start_batch": start,
-            "branch_tokens": branch_tokens, "replicates": args.replicates, "run_tokens": s.budget_tokens,
-            "library_commit": base._library_commit(), "points": json.loads(calibration.to_json()),
-        }, indent=1))
+        for cooled in (False, True):
+            points = [pt for pt in calibration.points if (pt.cooldown > 0) == cooled]
+            if not points:
+                continue
+            name = f"calibration_{'cooled_' if cooled else ''}{s.name}_seed{args.seed}.json"
+            (args.out / name).write_text(json.dumps({
+                "setting": s.name, "setting_key": s.key(), "seed": args.seed, "start_batch": start,
+                "branch_tokens": branch_tokens, "replicates": args.replicates, "run_tokens": s.budget_tokens,
+                "cooldown": points[0].cooldown, "multiples": list(c.multiples), "control": not args.no_control,
+                "library_commit": base._library_commit(), "points": json.loads(Calibration(points).to_json()),
+            }, indent=1))
 
     if args.frozen_only:
         frozen = calibrate_gpt(c, log=lambda line: print(line, flush=True), frozen_only=True)
@@ -144,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     calibrate_gpt(c, log=lambda line: print(line, flush=True), on_point=save)
-    print(f"wrote {path}")
+    print(f"wrote {args.out}/calibration_*{s.name}_seed{args.seed}.json")
     return 0
 
 

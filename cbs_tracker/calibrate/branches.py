@@ -78,6 +78,8 @@ class CalibrationPoint:
             without a tracker), with its 90% interval ``noise_scale_low``/``noise_scale_high``.
         frozen: the noise scale measured at the branch point's weights (``None`` if skipped).
         lr_coupling: the coupling the branches used.
+        cooldown: the fraction of each branch over which its LR annealed before the evaluation
+            (0: none), with ``cooldown_shape``.
     """
 
     tokens: float
@@ -94,6 +96,8 @@ class CalibrationPoint:
     noise_scale_high: float | None = None
     frozen: FrozenNoiseScale | None = None
     lr_coupling: str = "sqrt"
+    cooldown: float = 0.0
+    cooldown_shape: str = "sqrt"
 
     def _ratio(self, value: float | None) -> float | None:
         return None if value is None or not value > 0 else self.critical.low / value
@@ -787,4 +791,4 @@ def measure_critical_batch(
         tokens=float(tokens), batch=float(batch), critical=interval, branches=tuple(results), control=ctl,
         start_loss=start_loss, branch_tokens=float(per_branch), total_branch_tokens=total,
         seconds=time.perf_counter() - started, noise_scale=ns, noise_scale_low=lo, noise_scale_high=hi,
-        frozen=frozen, lr_coupling=coupling)
+        frozen=frozen, lr_coupling=coupling, cooldown=float(cooldown), cooldown_shape=cooldown_shape)

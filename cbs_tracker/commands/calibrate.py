@@ -45,6 +45,10 @@ class GPTCalibration:
     eval_sequences: int = 256
     max_bytes: int | None = None
     seed: int = 0
+    corpus: str = "code"  # "code": load_corpus(max_bytes); "docs": load_docstrings()
+    cooldowns: tuple[float, ...] = (0.0,)  # one measurement per value at each mark, from the same state
+    cooldown_shape: str = "sqrt"
+    control: bool = True  # the LR control branch at the run's batch
 
 
 #: the branches' data streams: seeds that no training stream of a seed below 1000 uses
@@ -74,12 +78,14 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
 
     from cbs_tracker.calibrate import Calibration, frozen_noise_scale, measure_critical_batch
     from cbs_tracker.calibrate.branches import _branch_copy
-    from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
+    from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus, load_docstrings
     from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
     from cbs_tracker.integrations.plain import CBSTracker
     from cbs_tracker.policy.controller import BatchSizeController
 
-    corpus = load_corpus(c.max_bytes)
+    if c.corpus not in ("code", "docs"):
+        raise ValueError(f"GPTCalibration(corpus={c.corpus!r}): expected 'code' or 'docs'")
+    corpus = load_corpus(c.max_bytes) if c.corpus == "code" else load_docstrings()
     micro_tokens = c.micro_sequences * c.seq_len
     start = micro_tokens * c.accumulation
     torch.manual_seed(c.seed)
@@ -119,16 +125,19 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
                 microbatch_size=micro_tokens, count=32)))
             log(f"{record.tokens_seen:,.0f} tokens: frozen {frozen[-1][1]}")
             continue
-        log(f"{record.tokens_seen:,.0f} tokens, batch {start:,}, B_simple {ns}: branching")
-        point = measure_critical_batch(
-            model, optimizer, tracker=tracker, loss_fn=lambda m, b: m(*b)[1], data=data,
-            evaluate=lambda m: evaluate(m, corpus.val, seq_len=c.seq_len, num_sequences=c.eval_sequences),
-            microbatch_size=micro_tokens, branch_tokens=c.branch_tokens, multiples=c.multiples,
-            replicates=c.replicates, epsilon=c.epsilon, lr_schedule=lr_of, clip_grad_norm=c.clip,
-            fuse_microbatches=max(1, 2048 // micro_tokens), seed=c.seed, log=log)
-        calibration.points.append(point)
-        log(f"  {point.total_branch_tokens:,.0f} branch tokens ({point.total_branch_tokens / c.run_tokens:.0%} of a "
-            f"{c.run_tokens:,.0f}-token run), {point.seconds:.0f} s")
+        for cooldown in c.cooldowns:
+            log(f"{record.tokens_seen:,.0f} tokens, batch {start:,}, B_simple {ns}: branching"
+                + (f" (LR cooled over the last {cooldown:.0%} of each branch)" if cooldown else ""))
+            point = measure_critical_batch(
+                model, optimizer, tracker=tracker, loss_fn=lambda m, b: m(*b)[1], data=data,
+                evaluate=lambda m: evaluate(m, corpus.val, seq_len=c.seq_len, num_sequences=c.eval_sequences),
+                microbatch_size=micro_tokens, branch_tokens=c.branch_tokens, multiples=c.multiples,
+                replicates=c.replicates, epsilon=c.epsilon, lr_schedule=lr_of, clip_grad_norm=c.clip,
+                fuse_microbatches=max(1, 2048 // micro_tokens), seed=c.seed, log=log, cooldown=cooldown,
+                cooldown_shape=c.cooldown_shape, control=c.control, frozen_microbatches=32 if cooldown == c.cooldowns[0] else 0)
+            calibration.points.append(point)
+            log(f"  {point.total_branch_tokens:,.0f} branch tokens ({point.total_branch_tokens / c.run_tokens:.0%} "
+                f"of a {c.run_tokens:,.0f}-token run), {point.seconds:.0f} s")
         if on_point is not None:
             on_point(calibration)
     return frozen if frozen_only else calibration
