@@ -1,0 +1,81 @@
+"""The frontier benchmark (benchmarks/frontier.py): paired statistics against a hand computation, and a
+seconds-long end-to-end run whose batch changes and tokens are checked against the LR schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def frontier():
+    return load_script("benchmarks/frontier.py", "frontier_under_test")
+
+
+def _run(rule, seed, loss, steps, setting="s", lr_schedule="cosine"):
+    return {"setting": setting, "setting_key": "k", "rule": rule, "schedule": rule, "lr_schedule": lr_schedule,
+            "seed": seed, "final_val_loss": loss, "steps": steps, "final_batch_tokens": 512, "branch_tokens": 0}
+
+
+def test_points_pair_each_rule_with_the_constant_batch_of_the_same_seed(frontier):
+    constant = {0: 1.30, 1: 1.40, 2: 1.35, 3: 1.32}
+    deltas = {0: 0.010, 1: -0.020, 2: 0.030, 3: 0.000}
+    runs = [_run("constant", s, c, 1000) for s, c in constant.items()]
+    runs += [_run("kappa0.4", s, constant[s] + deltas[s], 400 + 50 * s) for s in constant]
+    runs += [_run("seesaw", 0, 1.31, 700)]  # one seed: a mean, no interval
+    runs += [_run("kappa0.4", 5, 1.0, 10)]  # no constant run of seed 5: left out of the pairing
+    pts = {p["rule"]: p for p in frontier.points(runs)}
+    k = pts["kappa0.4"]
+    assert k["seeds"] == [0, 1, 2, 3]
+    mean = sum(deltas.values()) / 4
+    sd = math.sqrt(sum((d - mean) ** 2 for d in deltas.values()) / 3)
+    assert k["delta_mean"] == pytest.approx(mean, abs=1e-5)
+    assert k["delta_se"] == pytest.approx(sd / 2, abs=1e-5)
+    assert k["delta_upper90"] == pytest.approx(mean + 2.353 * sd / 2, abs=1e-5)  # t(0.95, 3 df)
+    assert k["steps_saved"] == pytest.approx(1 - (400 + 450 + 500 + 550) / 4 / 1000, abs=1e-4)
+    assert k["steps_saved_range"] == [0.45, 0.6]
+    s = pts["seesaw"]
+    assert s["seeds"] == [0] and s["delta_mean"] == pytest.approx(0.01) and s["delta_upper90"] is None
+    assert "constant" not in pts
+
+
+def test_a_tiny_frontier_runs_end_to_end_and_seesaw_doubles_where_the_lr_has_halved(frontier, tmp_path):
+    doc = tmp_path / "frontier.json"
+    assert frontier.main(["--setting", "tiny", "--rules", "constant,seesaw", "--seeds", "0", "--jobs", "2",
+                          "--doc", str(doc), "--out", str(tmp_path / "runs")]) == 0
+    saved = json.loads(doc.read_text())
+    runs = {r["rule"]: r for r in saved["runs"]}
+    assert set(runs) == {"constant", "seesaw"}
+    setting = frontier.base.SETTINGS["tiny"]
+    # the same data, up to the last window that would not fit in the budget
+    assert runs["constant"]["tokens"] == setting.budget_tokens
+    assert setting.budget_tokens - runs["seesaw"]["final_batch_tokens"] < runs["seesaw"]["tokens"] <= setting.budget_tokens
+    # the batch doubles at the first window after each halving of the scheduled LR, and nowhere else
+    lr = lambda t: frontier.proof_lr.lr_at(setting, "cosine", t)  # noqa: E731
+    changes = runs["seesaw"]["batch_changes"]
+    assert [b for _, b in changes] == [512, 1024, 2048, 4096][:len(changes)] and len(changes) >= 3
+    trace_every = setting.trace_every_tokens
+    for k, (tokens, _) in enumerate(changes[1:], start=1):
+        assert lr(tokens) <= setting.lr / 2**k  # halved k times before the change was seen ...
+        assert lr(tokens - 2 ** k * 512 - trace_every) > setting.lr / 2**k  # ... and not a window plus a sample before
+    (point,) = saved["points"]
+    assert (point["setting"], point["schedule"], point["rule"], point["seeds"]) == ("tiny", "cosine", "seesaw", [0])
+    assert point["delta_mean"] == pytest.approx(runs["seesaw"]["final_val_loss"] - runs["constant"]["final_val_loss"],
+                                                abs=1e-5)
+    assert point["steps_saved"] == pytest.approx(1 - runs["seesaw"]["steps"] / runs["constant"]["steps"], abs=1e-4)
+    assert point["steps_saved"] > 0.2 and point["delta_upper90"] is None
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a second call runs nothing new: the runs are in the JSON
+    assert frontier.main(["--setting", "tiny", "--rules", "constant,seesaw", "--seeds", "0",
+                          "--doc", str(doc), "--out", str(tmp_path / "runs2")]) == 0
+    assert not (tmp_path / "runs2" / "runs").exists()
+
+
+def test_unknown_rules_are_refused_naming_the_choices(frontier, capsys):
+    with pytest.raises(SystemExit):
+        frontier.main(["--rules", "constant,kappa9"])
+    assert "unknown ['kappa9']" in capsys.readouterr().err
