@@ -122,6 +122,14 @@ def measured_kappa(path: Path = MEASURED_KAPPA) -> list[tuple[float, float]]:
     return [(p["tokens"], p["kappa"]) for p in points if p["kappa"] is not None]
 
 
+def calibration_tokens(run: Run, setting: base.Setting) -> float:
+    """The tokens the branches behind a measured kappa trained on (0 for a rule without branches)."""
+    path = {"tracker_measured": MEASURED_KAPPA, "tracker_cooled": COOLED_KAPPA.get(setting.name)}.get(run.schedule)
+    if path is None:
+        return 0.0
+    return float(sum(p["total_branch_tokens"] for p in json.loads(Path(path).read_text())["points"]))
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     from cbs_tracker.policy.controller import BatchSizeController
 
@@ -345,6 +353,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         "lr_conversions": None if record is None else record.lr_conversions,
         "train_time_s": round(clock.now(), 1), "train_only_s": round(clock.now() - eval_s, 1),
         "interleaved_with": others,
+        "branch_tokens": calibration_tokens(run, setting),
         "evals": evals, "trace": trace,
         "setting": setting.name, "setting_key": setting.key(), "library_commit": base._library_commit(),
     }
