@@ -4,12 +4,15 @@ The script's loop is kept: ``accelerator.prepare(model, optimizer, train_dataloa
 lr_scheduler)``, epochs over the prepared ``DataLoader``, ``accelerator.backward(loss)``,
 ``optimizer.step()`` / ``lr_scheduler.step()`` / ``optimizer.zero_grad()`` on every batch
 (Accelerate steps only where it syncs), ``completed_steps`` and ``max_train_steps``,
-``accelerator.save_state``. Two lines change: ``tracker.accumulate(...)`` replaces
-``accelerator.accumulate(model)`` (it keeps Accelerate's counter and
-``gradient_accumulation_steps`` on the tracker's window), and ``tracker.step()`` runs where
-Accelerate syncs, before clipping. The run ends where a constant-batch run would
-(``tracker.starting_batch_steps``, the same data), and the prepared scheduler stays on its
-timing in tokens. The model is the package's small byte-level GPT on the standard library.
+``accelerator.save_state``. The README's lines change it: ``tracker.accumulate(labels=
+batch["labels"][..., 1:])`` replaces ``accelerator.accumulate(model)`` (it keeps Accelerate's
+counter and ``gradient_accumulation_steps`` on the tracker's window; the labels the shifted loss
+counts), ``tracker.step()`` runs where Accelerate syncs, before clipping, the stop is
+``tracker.done(max_train_steps)`` (the data of the constant-batch run, not its optimizer steps)
+and a resume starts the data at ``divmod(tracker.resume_position(), len(train_dataloader))``.
+The prepared scheduler stays on its timing in tokens. The model is the package's small
+byte-level GPT on the standard library, called the Hugging Face way (``model(**batch).loss``,
+the labels shifted inside). ``--constant`` runs the same loop without growth.
 
     python examples/accelerate_gpt.py --quick                                      # one CPU process
     torchrun --standalone --nproc_per_node=2 examples/accelerate_gpt.py --quick    # two processes (gloo on CPU)
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -29,8 +34,20 @@ from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
 
+class CausalLM(torch.nn.Module):
+    """The GPT called as a Hugging Face causal LM: ``model(input_ids=..., labels=...).loss``, labels shifted inside."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        _, loss = self.gpt(input_ids[:, :-1], labels[:, 1:])
+        return SimpleNamespace(loss=loss)
+
+
 class Blocks(Dataset):
-    """``run_clm``'s grouped texts: fixed blocks of ``seq_len + 1`` bytes, as ``input_ids`` and ``labels``."""
+    """``run_clm``'s grouped texts: fixed blocks of ``seq_len + 1`` bytes, as ``input_ids`` and ``labels`` (equal)."""
 
     def __init__(self, data, seq_len: int, count: int, seed: int) -> None:
         self.data, self.seq_len = data, seq_len
@@ -42,7 +59,7 @@ class Blocks(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = int(self.starts[i])
         block = torch.as_tensor(self.data[s : s + self.seq_len + 1].astype("int64"))
-        return {"input_ids": block[:-1], "labels": block[1:]}
+        return {"input_ids": block, "labels": block}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=float, default=1.2e6, help="token budget, all processes (default 1.2M)")
     p.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
     p.add_argument("--quick", action="store_true", help="a 150k-token budget and a fast controller")
+    p.add_argument("--constant", action="store_true", help="no growth: the constant-batch run of the same loop")
     p.add_argument("--output_dir", default="out/accelerate_gpt", help="where accelerator.save_state writes")
     p.add_argument("--resume_from_checkpoint", default=None, help="a state folder this script saved")
     p.add_argument("--seed", type=int, default=0)
@@ -79,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     micro_tokens = args.per_device_train_batch_size * args.block_size
     starting_batch = micro_tokens * accelerator.num_processes * args.gradient_accumulation_steps
     max_train_steps = args.max_train_steps or int(budget // starting_batch)
-    sequences = max_train_steps * starting_batch // args.block_size
+    sequences = 2 * max_train_steps * starting_batch // args.block_size  # a corpus larger than the budget
     train_dataloader = DataLoader(Blocks(corpus.train, args.block_size, sequences, args.seed),
                                   shuffle=True, batch_size=args.per_device_train_batch_size)
 
-    model = GPT(GPTConfig(context_length=args.block_size))
+    model = CausalLM(GPT(GPTConfig(context_length=args.block_size)))
     optimizer = make_adamw(model, lr=args.learning_rate, weight_decay=0.1)
     warmup = args.num_warmup_steps if args.num_warmup_steps is not None else max(1, max_train_steps // 20)
 
@@ -98,28 +116,37 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    if args.quick:  # short warm-up and cool-down so that a few hundred steps show a change
+    if args.constant:
+        controller = None
+    elif args.quick:  # short warm-up and cool-down so that a few hundred steps show a change
         controller = BatchSizeController(warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4,
                                          window=8, kappa=2.0)
     else:
         controller = BatchSizeController()
     tracker = AcceleratorTracker(accelerator, model, optimizer, lr_scheduler=lr_scheduler, controller=controller)
+    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    num_train_epochs = math.ceil(max_train_steps / num_update_steps_per_epoch)
+    starting_epoch, resume_step = 0, None
     if args.resume_from_checkpoint:
         accelerator.load_state(args.resume_from_checkpoint)  # the tracker is registered for checkpointing
+        starting_epoch, resume_step = divmod(tracker.resume_position(), len(train_dataloader))
         accelerator.print(f"resumed at step {tracker.steps}, {tracker.tokens_seen:,.0f} tokens, "
                           f"accumulation {tracker.accumulation_steps}")
 
     accelerator.print(f"accelerate_gpt: {accelerator.num_processes} process(es), {accelerator.distributed_type}, "
                       f"starting global batch {starting_batch:,} tokens, {max_train_steps} constant-batch steps")
     completed_steps = tracker.steps
-    done = tracker.starting_batch_steps >= max_train_steps
-    epoch = 0
-    while not done:
+    record = None
+    for epoch in range(starting_epoch, num_train_epochs):
         model.train()
-        for batch in train_dataloader:
-            with tracker.accumulate(labels=batch["labels"]):  # replaces accelerator.accumulate(model)
-                _, loss = model(batch["input_ids"], batch["labels"])
-                accelerator.backward(loss)  # divided by the window's accumulation
+        if epoch == starting_epoch and resume_step is not None:
+            active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_step)
+        else:
+            active_dataloader = train_dataloader
+        for batch in active_dataloader:
+            with tracker.accumulate(labels=batch["labels"][..., 1:]):  # replaces accelerator.accumulate(model)
+                outputs = model(**batch)
+                accelerator.backward(outputs.loss)  # divided by the window's accumulation
                 if accelerator.sync_gradients:  # the window's last microbatch
                     record = tracker.step()
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -136,18 +163,18 @@ def main(argv: list[str] | None = None) -> int:
                         f"{record.global_batch * record.next_accumulation_steps / record.accumulation_steps:,.0f} "
                         "tokens)"
                     )
-                if tracker.starting_batch_steps >= max_train_steps:  # the data of max_train_steps constant steps
-                    done = True
-                    break
-        epoch += 1
+            if tracker.done(max_train_steps):  # replaces completed_steps >= max_train_steps: the same data
+                break
     accelerator.wait_for_everyone()
     accelerator.save_state(str(Path(args.output_dir) / f"step_{completed_steps}"))
     val = math.nan
     if accelerator.is_main_process:
-        val = evaluate(accelerator.unwrap_model(model), corpus.val, seq_len=args.block_size, num_sequences=64)
+        val = evaluate(accelerator.unwrap_model(model).gpt, corpus.val, seq_len=args.block_size, num_sequences=64)
     ns = tracker.noise_scale
+    last_lr = "-" if record is None else f"{record.scheduled_lr:.3g}"
     accelerator.print(f"done: {completed_steps} optimizer steps ({tracker.starting_batch_steps:g} at the starting "
-                      f"batch), {tracker.tokens_seen:,.0f} tokens, {epoch} epoch(s), val loss {val:.3f} nats/byte, "
+                      f"batch), {tracker.tokens_seen:,.0f} tokens, {epoch + 1} epoch(s), last scheduled lr {last_lr}, "
+                      f"val loss {val:.3f} nats/byte, "
                       f"noise scale {'-' if ns is None else f'{ns:,.0f}'} tokens, accumulation "
                       f"{tracker.accumulation_steps}; state saved to {Path(args.output_dir) / f'step_{completed_steps}'}")
     accelerator.end_training()

@@ -5,10 +5,12 @@ LitGPT's loop counts microbatches (``iter_num``) and accumulates while
 ``CBSTracker`` sets each window's length instead: ``tracker.microbatch`` replaces
 ``fabric.no_backward_sync`` (the tracker applies ``no_sync`` to the DDP module inside
 Fabric's wrapper), ``fabric.backward(loss / tracker.accumulation_steps)``, then
-``tracker.step()`` before ``fabric.clip_gradients``. LitGPT's warm-up + cosine ``get_lr``
-is clocked in starting-batch steps (the tokens of a constant-batch run) and set through
-``tracker.set_lr``, which multiplies in the batch coupling. ``fabric.save`` and
-``fabric.load`` carry the tracker and the data stream with the model and optimizer.
+``tracker.step()`` before ``fabric.clip_gradients``. LitGPT's ``get_lr`` (warm-up + cosine)
+and its ``max_iters`` count microbatches per rank, as its ``iter_num`` does: the clock is
+``tracker.microbatches_seen`` (the same data at any batch size), the LR is set through
+``tracker.set_lr``, which multiplies in the batch coupling, and the loop stops at
+``tracker.done(microbatches=max_iters)``. ``fabric.save`` and ``fabric.load`` carry the
+tracker and the data stream with the model and optimizer. ``--constant`` runs it without growth.
 
     python examples/fabric_gpt.py --quick                      # one CPU process, about a minute
     python examples/fabric_gpt.py --devices 2 --quick          # two DDP ranks (Fabric launches them; gloo on CPU)
@@ -30,7 +32,7 @@ from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
 
 def get_lr(learning_rate: float, it: int, warmup_iters: int, max_iters: int, min_lr: float) -> float:
-    """LitGPT's schedule: linear warm-up, then cosine to ``min_lr`` (``it`` in starting-batch steps)."""
+    """LitGPT's schedule: linear warm-up, then cosine to ``min_lr`` (``it``: microbatches per rank, its ``iter_num``)."""
     if it < warmup_iters:
         return learning_rate * it / warmup_iters
     if it > max_iters:
@@ -49,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulation", type=int, default=2, help="starting accumulation per rank (default 2)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--quick", action="store_true", help="a 150k-token budget and a fast controller")
+    p.add_argument("--constant", action="store_true", help="no growth: the constant-batch run of the same loop")
     p.add_argument("--out", default="out/fabric_gpt", help="where last.ckpt is saved at the end")
     p.add_argument("--resume", default=None, help="a checkpoint of this script to continue from")
     p.add_argument("--seed", type=int, default=0)
@@ -72,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = make_adamw(model, lr=args.lr, weight_decay=0.1)
     model, optimizer = fabric.setup(model, optimizer)
     if args.quick:  # short warm-up and cool-down so that a few hundred steps show a change
-        controller = BatchSizeController(warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4,
+        controller = None if args.constant else BatchSizeController(warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4,
                                          window=8, kappa=2.0)
         budget = min(args.tokens, 1.5e5)
     else:
-        controller = BatchSizeController()
+        controller = None if args.constant else BatchSizeController()
         budget = args.tokens
     tracker = CBSTracker(model, optimizer, accumulation_steps=args.accumulation, controller=controller)
     stream = SequenceStream(corpus.train, seq_len=args.seq_len, seed=args.seed)
@@ -87,14 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                      f"accumulation {tracker.accumulation_steps}")
 
     micro_tokens = args.micro_sequences * args.seq_len
-    max_iters = int(budget // (micro_tokens * fabric.world_size * args.accumulation))  # a constant run's steps
+    max_iters = int(budget // (micro_tokens * fabric.world_size))  # microbatches per rank, as LitGPT counts them
     warmup_iters = max(1, max_iters // 20)
     fabric.print(f"fabric_gpt: {fabric.world_size} rank(s), {args.precision}, microbatch {micro_tokens} tokens/rank, "
                  f"starting global batch {micro_tokens * fabric.world_size * args.accumulation:,} tokens")
     start = time.perf_counter()
-    while tracker.tokens_seen < budget:
-        tracker.set_lr(get_lr(args.lr, tracker.starting_batch_steps, warmup_iters, max_iters, 0.1 * args.lr))
+    record = None
+    while not tracker.done(microbatches=max_iters):  # LitGPT's iter_num >= max_iters, on the data
         for _ in range(tracker.accumulation_steps):  # the tracker decides the window's length
+            tracker.set_lr(get_lr(args.lr, tracker.microbatches_seen, warmup_iters, max_iters, 0.1 * args.lr))
             input_ids, targets = stream.next_batch(args.micro_sequences, rank=fabric.global_rank,
                                                    world_size=fabric.world_size)
             input_ids, targets = fabric.to_device((input_ids, targets))
@@ -117,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     val = evaluate(model.module if hasattr(model, "module") else model, corpus.val, seq_len=args.seq_len,
                    num_sequences=64) if fabric.global_rank == 0 else math.nan
     ns = tracker.noise_scale
+    last_lr = "-" if record is None else f"{record.scheduled_lr:.3g}"
     fabric.print(f"done: {tracker.steps} steps, {tracker.tokens_seen:,.0f} tokens in {time.perf_counter() - start:.0f}s, "
+                 f"last scheduled lr {last_lr}, "
                  f"val loss {val:.3f} nats/byte, noise scale {'-' if ns is None else f'{ns:,.0f}'} tokens, "
                  f"accumulation {tracker.accumulation_steps} per rank; saved {Path(args.out) / 'last.ckpt'}")
     return 0

@@ -2,7 +2,7 @@
 
 The small byte-level GPT on the standard library's ``.py`` files starts at a 512-token
 global batch (``accumulate_grad_batches=2``); ``CBSCallback`` with the default
-controller doubles ``accumulate_grad_batches`` mid-epoch, at a safe batch. Logs go to
+controller doubles the accumulation mid-epoch, from the next window on. Logs go to
 Lightning's ``TensorBoardLogger`` (``cbs/*`` against steps, ``cbs_tokens/*`` against tokens).
 
     python examples/lightning_gpt.py [--quick] [--devices 2 --strategy ddp]   # logs in runs/lightning_gpt
@@ -69,7 +69,7 @@ class PrintChanges(pl.Callback):
         self.start = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        a = trainer.accumulate_grad_batches
+        a = self.cbs.window_accumulation or trainer.accumulate_grad_batches  # the window's, not Lightning's per batch
         if self.accumulation is not None and a != self.accumulation and trainer.is_global_zero:
             r = self.cbs.last_record
             ns = "-" if r.noise_scale is None else f"{r.noise_scale:,.0f}"

@@ -164,7 +164,7 @@ class AcceleratorTracker(CBSTracker):
         self._accelerated_scheduler = lr_scheduler if scheduler is not lr_scheduler else None
         # the microbatch accumulate() holds open (step() may close it)
         self._open: ExitStack | None = None
-        self.microbatches_seen = 0
+        self._check_position = False  # the first microbatch after load_state_dict compares the loader's position
         state = accelerator.gradient_state
         self._saved_plugin = {
             k: state.plugin_kwargs.get(k) for k in ("num_steps", "sync_with_dataloader")
@@ -224,10 +224,12 @@ class AcceleratorTracker(CBSTracker):
                 "not called; call it inside `if accelerator.sync_gradients:` after accelerator.backward(loss), "
                 "before clipping and optimizer.step()"
             )
+        if self._check_position:
+            self._check_position = False
+            self._check_resumed_data()
         with ExitStack() as stack:
             stack.enter_context(super().microbatch(size, labels=labels))
             self._open = stack
-            self.microbatches_seen += 1
             try:
                 yield
             finally:
@@ -352,21 +354,47 @@ class AcceleratorTracker(CBSTracker):
         )
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The tracker's state, and the microbatches each process ran (the data position, for a resume)."""
-        return {**super().state_dict(), _STATE_KEY: {"microbatches_seen": self.microbatches_seen}}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (``accelerator.load_state`` calls it); between windows.
 
-        After it, skip ``tracker.microbatches_seen`` batches of the data (e.g. with
-        ``accelerator.skip_first_batches``, modulo the loader's length) to continue where the run stopped.
+        After it, start the data at :meth:`resume_position`: ``starting_epoch, resume_step =
+        divmod(tracker.resume_position(), len(train_dataloader))`` and
+        ``accelerator.skip_first_batches(train_dataloader, resume_step)``. The first microbatch
+        after it compares the position of the loader it comes from with the checkpoint's and
+        warns once when they differ.
         """
         state = dict(state)
-        extra = state.pop(_STATE_KEY, None) or {}
+        extra = state.pop(_STATE_KEY, None) or {}  # the data position of the first release of this adapter
+        if "microbatches_seen" not in state and "microbatches_seen" in extra:
+            state["microbatches_seen"] = int(extra["microbatches_seen"])
         super().load_state_dict(state)
-        self.microbatches_seen = int(extra.get("microbatches_seen", 0))
         self.accelerator.gradient_accumulation_steps = self.accumulation_steps
+        self._check_position = True
+
+    def _check_resumed_data(self) -> None:
+        """Warn once when the loader the loop resumed with starts elsewhere than the checkpoint's data position."""
+        loader = getattr(self.accelerator.gradient_state, "active_dataloader", None)
+        position = _loader_position(loader)
+        if position is None:
+            return
+        skip, total = position
+        expected_total = self.resume_position()
+        expected = expected_total % total
+        if skip == expected:
+            return
+        name = type(self).__name__
+        differ = (f"{expected - skip} loader batches before it run a second time" if skip < expected else
+                  f"{skip - expected} loader batches are skipped")
+        self.session.warn_once(
+            "resume_data",
+            f"{name}: resumed with the data loader starting at batch {skip} of its epoch of {total}, but the "
+            f"checkpoint's windows had run {expected_total} loader batches on this process, up to batch {expected} "
+            f"of an epoch: {differ} (if the epoch is the same). A count of optimizer steps times the starting "
+            "accumulation (run_clm_no_trainer's `resume_step = step * gradient_accumulation_steps`) is not the data "
+            "position once the batch has grown, nor is an epoch's end inside a window. Resume the data at "
+            "`starting_epoch, resume_step = divmod(tracker.resume_position(), len(train_dataloader))` and "
+            "`accelerator.skip_first_batches(train_dataloader, resume_step)`.",
+        )
 
     def remove_hooks(self) -> None:
         """Detach from the model, the scheduler, the optimizer and Accelerate's settings (restored)."""
@@ -389,6 +417,25 @@ class AcceleratorTracker(CBSTracker):
         """Scheduler steps per optimizer step of the starting batch (Accelerate's ``num_processes``
         for a prepared scheduler unless ``split_batches``; 1 for a plain one)."""
         return self._scheduler_steps_per_starting_step
+
+
+def _loader_position(loader: Any) -> tuple[int, int] | None:
+    """``(batches it skips at its start, batches of its whole epoch)`` of an Accelerate loader (what
+    ``accelerator.skip_first_batches`` builds), or ``None`` when that is not known."""
+    if loader is None:
+        return None
+    try:
+        for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+            inner = getattr(sampler, "batch_sampler", None)
+            if isinstance(getattr(sampler, "skip_batches", None), int) and inner is not None:
+                return int(sampler.skip_batches), len(inner)
+        skip = getattr(loader, "skip_batches", 0)
+        skip = skip if isinstance(skip, int) and not isinstance(skip, bool) else 0
+        length = len(loader)
+        total = length + skip if type(loader).__name__ == "SkipDataLoader" else length
+    except TypeError:  # no length (an iterable dataset)
+        return None
+    return (skip, total) if total > 0 else None
 
 
 def _check_accelerator(accelerator: Any, name: str) -> None:

@@ -238,6 +238,10 @@ class CBSCallback(Callback):
         self._stepped = False
         self._restored: dict[str, Any] | None = None  # checkpoint state waiting for the session
         self.applied_changes: list[tuple[int, int, int]] = []  # (step, batch_idx or -1, new A)
+        # the window Lightning runs now: (its first batch_idx, its microbatches), and the value of
+        # accumulate_grad_batches this batch runs under (see _align); None between fits and epochs
+        self._window: tuple[int, int] | None = None
+        self._batch_accumulation: int | None = None
 
     # ------------------------------------------------------------------ public state
     @property
@@ -274,6 +278,17 @@ class CBSCallback(Callback):
     def starting_batch_steps(self) -> int:
         """Optimizer steps counted at the starting accumulation (the schedulers' position)."""
         return 0 if self.session is None else self.session.starting_batch_steps
+
+    @property
+    def window_accumulation(self) -> int | None:
+        """Microbatches of the window Lightning runs now (``None`` outside ``fit``).
+
+        ``trainer.accumulate_grad_batches`` is that number, except in a window that starts where
+        its length does not divide the position in the epoch: there the callback sets it batch
+        by batch to a value on which Lightning zeroes and steps exactly at the window's bounds
+        (and scales each loss to ``1 / window_accumulation``).
+        """
+        return None if self._window is None else self._window[1]
 
     @property
     def pending_accumulation_steps(self) -> int | None:
@@ -502,16 +517,17 @@ class CBSCallback(Callback):
 
         Lightning fetches a batch before it trains the previous one, so a decision reaches
         the loader one window late. The newest pending level (else the level handed out
-        last) is taken when Lightning's counters stay aligned there: ``index`` is a
-        multiple of the new accumulation. Otherwise the window repeats ``current``.
+        last) is taken at any ``index``: the callback keeps Lightning's zeroing and stepping
+        on the window's bounds wherever it starts (see :meth:`_align`).
         """
         session = self.session
         assert session is not None
         level = session.pending_accumulation or current[2]
         group, acc = self._layout(level)
-        if (group, acc) != current[:2] and index % acc == 0:
+        if (group, acc) != current[:2] and (index != 1 or acc == 1):  # see _lightning_accumulation
             return group, acc, level
         return current
+
     def _attach_schedulers(self, trainer: pl.Trainer) -> None:
         session = self.session
         assert session is not None
@@ -554,6 +570,7 @@ class CBSCallback(Callback):
         if self.collector is not None and self.collector.num_microbatches:
             self.collector.reset_window()
         self._window_divisors.clear()
+        self._window = None  # batch_idx restarts at 0: a window starts there
         if self.max_microbatch is not None:
             if self.session is not None:
                 self._link_loader(trainer)  # the feed applies what the loader hands out
@@ -579,6 +596,9 @@ class CBSCallback(Callback):
                 )
             if starts and layout is not None:
                 self._start_layout(trainer, batch_idx, *layout)
+                self._window = (batch_idx, layout[1])
+        if self.session is not None:
+            self._align(trainer, batch_idx)
         size = self.batch_size_fn(batch)
         try:
             self._micro_size = check_size(size, owner="CBSCallback(batch_size_fn=...)")
@@ -588,6 +608,41 @@ class CBSCallback(Callback):
                 "or a one-element tensor"
             ) from err
 
+    def _align(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """Start a window where the last one ended, and set ``accumulate_grad_batches`` for this batch.
+
+        Lightning zeroes the gradients where ``batch_idx % A == 0`` and steps where
+        ``(batch_idx + 1) % A == 0`` (and on an epoch's last batch). A window that starts where
+        its length does not divide the position gets, batch by batch, a value of ``A`` for which
+        both hold exactly at its bounds (:func:`_lightning_accumulation`); Lightning divides the
+        loss by that value, and :meth:`on_before_backward` scales it to ``1 / length``. So every
+        window runs where the plain loop runs it, whole, with the mean of its gradients.
+        """
+        session = self.session
+        assert session is not None
+        left = self._batch_accumulation
+        if left is not None and int(trainer.accumulate_grad_batches) != left:
+            session.warn_once(
+                "outside_accumulation",
+                f"CBSCallback: trainer.accumulate_grad_batches was set to {trainer.accumulate_grad_batches} by "
+                f"something else (the callback left {left}); the callback sets it at every batch so that each "
+                "window is whole, and the change is not applied. Only CBSCallback should change it (its "
+                "controller=, or a BatchSchedule, sets the batch).",
+            )
+        window = self._window
+        if window is None or not window[0] <= batch_idx < window[0] + window[1]:
+            if self._loader is None:
+                pending = session.pending_accumulation
+                # (batch 1 cannot start a window of 2 or more: Lightning would zero and step there at once)
+                if pending is not None and (batch_idx != 1 or pending == 1):
+                    self._apply_pending(trainer, batch_idx - 1)
+                length = session.accumulation_steps
+            else:  # the loader's first batches, before it was linked: the starting layout
+                length = int(trainer.accumulate_grad_batches) if window is None else window[1]
+            window = self._window = (batch_idx, length if batch_idx != 1 else 1 if length > 1 else length)
+        self._batch_accumulation = _lightning_accumulation(batch_idx, *window)
+        trainer.accumulate_grad_batches = self._batch_accumulation
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self.collector is None:
             return
@@ -595,8 +650,15 @@ class CBSCallback(Callback):
             self._refresh_params(pl_module)
             if self.session is not None:
                 self._measure = self.session.start_window()
-        # Lightning divided this microbatch's loss by the value it reads right now.
-        self._window_divisors.add(int(trainer.accumulate_grad_batches))
+        window, applied = self._window, self._batch_accumulation
+        if window is not None and applied is not None:
+            if applied != window[1] and loss.requires_grad:
+                # Lightning divided this loss by `applied` (the value that zeroes and steps on the window's
+                # bounds); the window's microbatches are each divided by its length, as in an aligned window
+                loss.mul_(applied / window[1])
+            self._window_divisors.add(window[1])
+        else:  # Lightning divided this microbatch's loss by the value it read
+            self._window_divisors.add(int(trainer.accumulate_grad_batches))
         self.collector.begin_microbatch(unsynced=self._unsynced, measure=self._measure)
 
     def _refresh_params(self, pl_module: pl.LightningModule) -> None:
@@ -695,18 +757,15 @@ class CBSCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._batch_accumulation is not None:
+            # Lightning reads it again after this hook (its scheduler step, its step counter): this batch's value
+            trainer.accumulate_grad_batches = self._batch_accumulation
         stepped, self._stepped = self._stepped, False
         session = self.session
         if session is None or not stepped:
             return
         self._check_budget(trainer)
-        new = session.pending_accumulation
-        if self.max_microbatch is not None:
-            return  # the loader hands out the new layout; on_train_batch_start applies it
-        # Lightning steps when (batch_idx + 1) % A == 0 and zero-grads when batch_idx % A == 0:
-        # the new value keeps both true for the next window only if it divides batch_idx + 1.
-        if new is not None and (batch_idx + 1) % new == 0:
-            self._apply_pending(trainer, batch_idx)
+        # a pending accumulation takes effect where the next window starts (on_train_batch_start)
 
     def _start_layout(self, trainer: pl.Trainer, batch_idx: int, group: int, acc: int, level: int) -> None:
         """A window the loader handed out at ``level`` starts: Lightning accumulates ``acc`` microbatches of ``group``."""
@@ -739,6 +798,11 @@ class CBSCallback(Callback):
         self.applied_changes.append((session.step, batch_idx, new))
         for timer in self._epoch_timers:
             timer.set_coupling(session.coupling)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._window is not None:
+            trainer.accumulate_grad_batches = self._window[1]  # the last window's, not a value of its bounds
+        self._window = self._batch_accumulation = None
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_hooks()
@@ -802,6 +866,23 @@ class CBSCallback(Callback):
 
 def _ranks(n: int) -> str:
     return f"{n} rank" + ("" if n == 1 else "s")
+
+
+def _lightning_accumulation(batch_idx: int, start: int, length: int) -> int:
+    """The ``accumulate_grad_batches`` under which Lightning zeroes the gradients at batch ``start``, steps
+    after batch ``start + length - 1`` and does neither in between, for batch ``batch_idx`` of that window.
+
+    Lightning zeroes where ``batch_idx % A == 0`` and steps where ``(batch_idx + 1) % A == 0``. Where
+    ``length`` divides ``start`` that is ``length`` itself; elsewhere the window's first batch takes
+    ``A = batch_idx`` (it divides ``batch_idx``, not ``batch_idx + 1``; ``start >= 2``), its last
+    ``batch_idx + 1`` and the ones between ``batch_idx + 2`` (dividing neither).
+    """
+    if length == 1 or start % length == 0:
+        return length
+    offset = batch_idx - start
+    if offset == 0:
+        return batch_idx
+    return batch_idx + 1 if offset == length - 1 else batch_idx + 2
 
 
 class CBSDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]

@@ -123,9 +123,9 @@ def lightning_reference(
     Each rank cuts its list into microbatches of ``micro_sequences`` (the last may be
     shorter).
 
-    Windows. Lightning steps after batch ``b`` of an epoch when ``(b + 1) % A == 0``
-    or ``b`` is the epoch's last batch (then a short window, ``K < A``), every loss
-    divided by ``A``. ``changes`` replays the accumulation the example ran:
+    Windows. A window of ``A`` runs from where the last one ended (the callback keeps
+    Lightning's zeroing and stepping on its bounds); the epoch's last batch ends one
+    (then a short window, ``K < A``), every loss divided by ``A``. ``changes`` replays the accumulation the example ran:
     ``{(epoch, batch): A}`` holds from that batch on and multiplies the learning rate
     as the callback's ``"auto"`` coupling does for AdamW (``sqrt(A / A0)`` in all,
     applied as the ratio to the previous factor). No LR scheduler is used.
@@ -180,7 +180,7 @@ def lightning_reference(
                 ratio, coupling = math.sqrt(a / accumulation) / coupling, math.sqrt(a / accumulation)
                 for group in optimizer.param_groups:
                     group["lr"] = group["lr"] * ratio
-            if not ((b + 1) % a == 0 or b == num_batches - 1):
+            if not (b + 1 - first == a or b == num_batches - 1):
                 continue
             flats, sizes, small32, per_rank = [], [], [], []
             for r in range(world):

@@ -81,6 +81,13 @@ class InterleavedBatches(torch.utils.data.Sampler[list[int]]):
 
 
 # ---------------------------------------------------------------------------- model
+def window_accumulation(trainer: Any, cbs: Any = None) -> int:
+    """Microbatches of the window Lightning runs: the callback's (``trainer.accumulate_grad_batches`` is set
+    batch by batch in a window that does not start at a multiple of its length), else Lightning's own."""
+    value = None if cbs is None else cbs.window_accumulation
+    return int(trainer.accumulate_grad_batches) if value is None else int(value)
+
+
 class Regression(pl.LightningModule):
     """``Linear(8, 1)`` with the mean squared error of its microbatch, SGD (or Adam)."""
 
@@ -171,7 +178,7 @@ class Recorder(pl.Callback):
         self.rows.append(dict(
             epoch=trainer.current_epoch,
             batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
-            lightning_accumulation=int(trainer.accumulate_grad_batches),
+            lightning_accumulation=window_accumulation(trainer, self.cbs),
             microbatches=self._micro,
             samples=self._samples,
             record=asdict(rec),
@@ -221,7 +228,7 @@ class GradCheck(pl.Callback):
         stats = self.cbs.last_stats
         self.rows.append(dict(
             microbatches=len(self.window),
-            lightning_accumulation=int(trainer.accumulate_grad_batches),
+            lightning_accumulation=window_accumulation(trainer, self.cbs),
             got=got,
             mean=mean,
             ref_small=float(stacked.double().pow(2).sum(1).mean()),
@@ -295,7 +302,7 @@ class SampleLog(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.rows.append(dict(
             epoch=trainer.current_epoch, batch_idx=trainer.fit_loop.epoch_loop.batch_idx,
-            lightning_accumulation=int(trainer.accumulate_grad_batches), samples=self.window,
+            lightning_accumulation=window_accumulation(trainer, self.cbs), samples=self.window,
             record=asdict(self.cbs.last_record), lr=float(optimizer.param_groups[0]["lr"]),
         ))
         self.window = []

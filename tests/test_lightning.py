@@ -62,13 +62,13 @@ def small_controller(**kw) -> BatchSizeController:
 
 
 # ---------------------------------------------------------------------------- exact windows
-# A0 = 2; the plan decides A=4 at step 2 (batch 3: 4 % 4 == 0, applied at once), A=8 at
-# step 4 (batch 11: 12 % 8 != 0, so one more window of 4, applied after batch 15) and
-# A=16 at step 6 (the last batch of epoch 0: applied at the start of epoch 1).
-# limit_train_batches=19 makes the last window of each epoch short (3 batches).
+# A0 = 2; the plan decides A=4 at step 2 (after batch 3), A=8 at step 4 (after batch 11) and
+# A=16 at step 6 (after batch 7 of epoch 1); each runs from the next window on, as in the plain
+# loop, also where it does not divide the position in the epoch (12 for 8, 8 for 16).
+# limit_train_batches=19 makes the last window of each epoch short (7 and 11 batches).
 PLAN = {2: 4, 4: 8, 6: 16}
-EXPECTED_MICRO = [2, 2, 4, 4, 4, 3, 16, 3]
-EXPECTED_A = [2, 2, 4, 4, 4, 8, 16, 16]
+EXPECTED_MICRO = [2, 2, 4, 4, 7, 8, 11]
+EXPECTED_A = [2, 2, 4, 4, 8, 8, 16]
 
 
 def _precision_kwargs(precision: str) -> dict:
@@ -101,7 +101,7 @@ def test_every_window_gradient_equals_the_autograd_mean_across_changes(precision
     assert [r["microbatches"] for r in rows] == EXPECTED_MICRO
     assert [r["lightning_accumulation"] for r in rows] == EXPECTED_A
     assert [r["cbs_k"] for r in rows] == EXPECTED_MICRO
-    assert cbs.applied_changes == [(2, 3, 4), (5, 15, 8), (6, -1, 16)]
+    assert cbs.applied_changes == [(2, 3, 4), (4, 11, 8), (6, 7, 16)]
     assert trainer.accumulate_grad_batches == 16
 
     checked_full = checked_short = 0
@@ -236,18 +236,24 @@ def test_adam_preconditioner_is_really_used():
     assert cbs.estimator.steps == 11
 
 
-def test_accumulation_changed_by_someone_else_inside_a_window_is_not_measured():
+def test_accumulation_changed_by_someone_else_inside_a_window_is_overridden_and_said():
     class Meddler(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 4:
-                trainer.accumulate_grad_batches = 4  # inside the window [4, 5]: batch 5 is divided by 4
+                trainer.accumulate_grad_batches = 4  # inside the window [4, 5]
 
     cbs = CBSCallback(controller=None, estimator=fast_estimator())
     rec = Recorder(cbs)
-    trainer = make_trainer(max_steps=5, accumulate_grad_batches=2, callbacks=[cbs, rec, Meddler()])
-    with pytest.warns(UserWarning, match=r"accumulate_grad_batches changed inside an accumulation window \(values \[2, 4\]\)"):
+    check = GradCheck(cbs)
+    trainer = make_trainer(max_steps=5, accumulate_grad_batches=2, callbacks=[cbs, rec, check, Meddler()])
+    with pytest.warns(UserWarning, match=r"accumulate_grad_batches was set to 4 by something else \(the callback "
+                      r"left 2\).*the change is not applied"):
         trainer.fit(Regression(), loader(regression_data(64)))
-    assert [r["record"]["dropped"] for r in rec.rows] == [False, False, True, False, False]
+    # every window stays whole, its gradient the mean of its two microbatches, and measured
+    assert [r["microbatches"] for r in rec.rows] == [2] * 5
+    assert [r["record"]["dropped"] for r in rec.rows] == [False] * 5
+    for r in check.rows:
+        torch.testing.assert_close(r["got"], r["mean"], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- resume
@@ -315,8 +321,10 @@ def test_resume_between_two_doublings_gives_the_same_schedule_and_noise_scale(tm
 
 
 def test_resume_restores_accumulation_before_the_first_batch_and_a_pending_change(tmp_path):
+    plan = {2: 4, 4: 8, 5: 16}  # 16 decided at the last step of epoch 0: pending in its checkpoint
+
     def make_cb():
-        return CBSCallback(controller=PlanController(PLAN), estimator=fast_estimator())
+        return CBSCallback(controller=PlanController(plan), estimator=fast_estimator())
 
     seen_at_start = []
 
@@ -342,8 +350,8 @@ def test_resume_restores_accumulation_before_the_first_batch_and_a_pending_chang
                             callbacks=[resumed, rec, FirstBatch()])
     trainer2.fit(Regression(), loader(ds), ckpt_path=str(tmp_path / "epoch=0.ckpt"))
     assert seen_at_start == [16]
-    assert [r["microbatches"] for r in rec.rows] == EXPECTED_MICRO[6:]
-    assert [r["record"]["step"] for r in rec.rows] == [7, 8]
+    assert [r["microbatches"] for r in rec.rows] == [16, 3]  # epoch 1 of 19 batches at 16
+    assert [r["record"]["step"] for r in rec.rows] == [6, 7]
 
 
 # ---------------------------------------------------------------------------- ddp_spawn
@@ -503,13 +511,13 @@ def test_lr_coupling_is_applied_when_the_new_accumulation_takes_effect(coupling,
 
     class LR(pl.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            lrs.append((trainer.accumulate_grad_batches, optimizer.param_groups[0]["lr"]))
+            lrs.append((cbs.window_accumulation, optimizer.param_groups[0]["lr"]))
 
     cbs = CBSCallback(controller=PlanController(PLAN), lr_coupling=coupling)
     trainer = make_trainer(max_epochs=2, limit_train_batches=19, accumulate_grad_batches=2, callbacks=[cbs, LR()])
     trainer.fit(Regression(lr=0.05), loader(regression_data(80)))
     # from the first window that uses the new accumulation on: LR = 0.05 * factor(A / A0)
-    assert [a for a, _ in lrs] == [2, 2, 4, 4, 4, 8, 16, 16]
+    assert [a for a, _ in lrs] == EXPECTED_A
     assert [lr for _, lr in lrs] == pytest.approx([0.05 * factor(a / 2) for a, _ in lrs], rel=1e-12)
     # the coupling is saved with the state
     assert cbs.state_dict()["lr_coupling"] == pytest.approx(factor(8.0))

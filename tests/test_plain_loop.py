@@ -123,7 +123,8 @@ def _nanogpt_style(use_set_lr: bool, steps: int = 8):
 def test_a_loop_that_sets_the_lr_itself_is_told_once_what_to_do():
     messages, _, _ = _nanogpt_style(use_set_lr=False)
     assert len(messages) == 1
-    assert "tracker.set_lr(schedule(tracker.starting_batch_steps))" in messages[0]
+    assert "`tracker.set_lr(schedule(t))`" in messages[0]
+    assert "tracker.starting_batch_steps for one written in optimizer steps (nanoGPT's get_lr(it))" in messages[0]
 
 
 def test_set_lr_clocks_the_schedule_in_starting_batch_steps_and_keeps_the_coupling():

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -233,6 +234,12 @@ class LoopTracker:
         self._step_norm: float | None = None  # the synced gradient's norm, while .grad is as step() saw it
         # the last counted window's sizes, the arguments they were counted with and its stats (count_sizes)
         self._last_count: tuple[list[float], tuple[object, ...], StepStats] | None = None
+        self._batches_done = 0  # loader batches per rank of the windows stepped (the data position)
+        self._resumed_batches: int | None = None  # the count a checkpoint carried, on its own ranks
+        # a run (or the tracker) that ends inside a window says what it left without an optimizer step
+        self._end = {"done": False}  # done() said so: a microbatch run after it is the loop's own, not left out
+        self._finalizer = weakref.finalize(self, _warn_unstepped, self.collector, self.session, name, "the run ended",
+                                           end=self._end)
 
     # ------------------------------------------------------------------ adapter points
     def _unwrap(self, model: nn.Module) -> nn.Module:
@@ -406,6 +413,56 @@ class LoopTracker:
         steps of the constant-batch run.
         """
         return self.session.starting_batch_steps
+
+    @property
+    def microbatches_seen(self) -> int:
+        """Loader batches this rank has run: those of the windows stepped and of the open one.
+
+        The data position of a loop that counts batches (LitGPT's ``iter_num``, a loader's
+        batch index): a schedule or a stop written in microbatches per rank follows the data
+        at any batch size. After :meth:`load_state_dict` it is the position of the last whole
+        window the checkpoint holds (see :meth:`resume_position`).
+        """
+        return self._batches_done + self._window_index * self.session.micro_group
+
+    def done(self, steps: int | None = None, *, microbatches: int | None = None,
+             tokens: float | None = None) -> bool:
+        """Whether the run has consumed its data: the stop of a loop, checked between windows.
+
+        Give the budget in the loop's own unit, exactly one of: ``steps``, optimizer steps of
+        the constant-batch run (``max_train_steps``; compared with :attr:`starting_batch_steps`);
+        ``microbatches``, loader batches per rank (LitGPT's ``max_iters``; compared with
+        :attr:`microbatches_seen`); ``tokens``, units of all ranks (:attr:`tokens_seen`). The
+        counts move at :meth:`step` only (a window's microbatches count once it is stepped), so
+        a loop that checks it after every batch stops right after the optimizer step that
+        reached the budget, within one window of the constant-batch run's data.
+
+        Raises:
+            TypeError: none or several of the three given.
+            ValueError: a value that is not a number >= 0 (an int for ``steps`` and ``microbatches``).
+        """
+        name = type(self).__name__
+        given = [(k, v) for k, v in (("steps", steps), ("microbatches", microbatches), ("tokens", tokens))
+                 if v is not None]
+        if len(given) != 1:
+            raise TypeError(
+                f"{name}.done(): give exactly one budget, steps= (optimizer steps of the constant-batch run), "
+                f"microbatches= (loader batches per rank) or tokens= (units of all ranks); got {dict(given) or 'none'}"
+            )
+        key, value = given[0]
+        whole = key != "tokens"
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(
+                f"{name}.done({key}={value!r}): must be {'an int' if whole else 'a finite number'} >= 0"
+            )
+        if key == "steps":
+            done = self.session.starting_batch_steps >= value
+        elif key == "microbatches":
+            done = self._batches_done >= value
+        else:
+            done = self.session.units_seen >= value
+        self._end["done"] = self._end["done"] or done
+        return done
 
     @property
     def steps(self) -> int:
@@ -661,6 +718,7 @@ class LoopTracker:
         if self.collector.labels_changed:
             self._warn_labels_changed()
         self.collector.reset_window()
+        self._batches_done += self._window_index * self.session.micro_group
         self._window_index = 0
         if self.max_microbatch is not None:
             self._after_window()
@@ -696,6 +754,7 @@ class LoopTracker:
         if self.collector.labels_changed:
             self._warn_labels_changed()
         self.collector.reset_window()
+        self._batches_done += self._window_index * self.session.micro_group
         self._window_index = 0
         self._step_norm = None
         session = self.session
@@ -804,8 +863,17 @@ class LoopTracker:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the same run after a restart (plain numbers, versioned)."""
-        state = self.session.state_dict()
+        """Everything needed to continue the same run after a restart (plain numbers, versioned).
+
+        The state is the one at the last optimizer step, with the data position there
+        (:meth:`resume_position`). Taken inside a window it warns once: the window's
+        microbatches so far are in no checkpoint, and a resume runs them again only if it
+        starts the data at :meth:`resume_position`.
+        """
+        if self._in_microbatch or self._window_index > 0:
+            _warn_unstepped(self.collector, self.session, type(self).__name__, "a checkpoint (state_dict()) was taken",
+                            key="checkpoint_in_window")
+        state = {**self.session.state_dict(), "microbatches_seen": self._batches_done}
         if self.max_microbatch is not None:  # what out-of-memory errors taught about the microbatch
             state = {**state, "microbatch_layout": {"good_group": self._good_group, "oom_group": self._oom_group}}
         return state
@@ -823,7 +891,15 @@ class LoopTracker:
             raise RuntimeError(f"{type(self).__name__}.load_state_dict: call it between windows, not inside one")
         state = dict(state)
         layout = state.pop("microbatch_layout", None)
+        seen = state.pop("microbatches_seen", None)
+        if seen is not None and (isinstance(seen, bool) or not isinstance(seen, int) or seen < 0):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: 'microbatches_seen' must be an int >= 0, got {seen!r}"
+            )
         self.session.load_state_dict(state)
+        change = self.session.resumed_from
+        self._resumed_batches = seen
+        self._batches_done = 0 if seen is None else seen if change is None else change.position(seen)
         self._fast_from = 1  # the next window starts in full from the state loaded
         self._window_divisor = self.session.accumulation_steps
         if layout is not None and self.max_microbatch is not None:
@@ -836,9 +912,16 @@ class LoopTracker:
         (``old_dp``, ``new_dp``, the accumulation before and after), or ``None``: the same ranks."""
         return self.session.resumed_from
 
-    def resume_position(self, batches_per_rank: int) -> int:
-        """Loader batches each rank skips at a resume, given the count each rank had consumed when the
-        checkpoint was taken (on the checkpoint's ranks).
+    def resume_position(self, batches_per_rank: int | None = None) -> int:
+        """Loader batches each rank skips at a resume, from the start of training.
+
+        Without an argument: the position the checkpoint carries, the loader batches of the
+        windows it holds (:attr:`microbatches_seen` when it was taken, less an open window's:
+        those run again). A loop over epochs resumes with
+        ``starting_epoch, skip = divmod(tracker.resume_position(), len(train_dataloader))``
+        (``run_clm_no_trainer.py``'s ``resume_step``; not ``step * gradient_accumulation_steps``,
+        which after growth counts too few). With ``batches_per_rank``: the loop's own count
+        each rank had consumed when the checkpoint was taken (on the checkpoint's ranks).
 
         A ``DistributedSampler`` hands its ranks the epoch's batches in turn, so ``m`` batches on
         each of ``D`` ranks are the epoch's first ``D * m``; on ``D'`` ranks the same place is
@@ -850,6 +933,10 @@ class LoopTracker:
             ValueError: ``batches_per_rank`` is not an integer >= 0.
         """
         name = type(self).__name__
+        if batches_per_rank is None:
+            if self._resumed_batches is None:
+                return self._batches_done
+            batches_per_rank = self._resumed_batches
         if isinstance(batches_per_rank, bool) or not isinstance(batches_per_rank, int) or batches_per_rank < 0:
             raise ValueError(f"{name}.resume_position(batches_per_rank={batches_per_rank!r}): must be an int >= 0")
         change = self.session.resumed_from
@@ -869,11 +956,40 @@ class LoopTracker:
 
     def remove_hooks(self) -> None:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
+        _warn_unstepped(self.collector, self.session, type(self).__name__, "the tracker was detached (remove_hooks())")
         self.collector.remove()
         self.session.detach_scheduler()
 
 
 _PLAIN_NUMBERS = (int, float)
+
+
+def _warn_unstepped(collector: Any, session: TrackingSession, name: str, what: str, *, key: str = "unstepped",
+                    end: dict[str, bool] | None = None) -> None:
+    """Warn once when ``what`` happened inside a window: its microbatches ran forward and backward without an
+    optimizer step (a loop that ends, or checkpoints, between two of its steps). Not at the end of a run whose
+    loop was told it was done (a loop that checks after each batch runs one more before it looks)."""
+    ran = collector.num_microbatches
+    if not ran or (end is not None and end["done"]):
+        return
+    try:
+        units = f"{sum(collector.host_sizes()[0]):,.0f} {session.unit}"
+    except Exception:  # at interpreter exit the device may be gone: the count alone
+        units = f"their {session.unit}"
+    window = session.accumulation_steps
+    if key == "checkpoint_in_window":
+        fix = ("The checkpoint holds the state at the last optimizer step: their gradients are in no checkpoint. "
+               "Resume the data at tracker.resume_position() (the window's start, so they run again), or save after "
+               "tracker.step(); a resume that starts the data after them (e.g. at the next epoch) drops them.")
+    else:
+        fix = ("End the loop between windows: `while not tracker.done(max_steps)` (or done(microbatches=...), "
+               "done(tokens=...)) around `for _ in range(tracker.accumulation_steps)`, or `if tracker.done(...): "
+               "break` after each batch; a loop over a loader's epochs lets the window continue into the next epoch.")
+    session.warn_once(
+        key,
+        f"{name}: {what} inside a window: {ran} of its {window} microbatches per rank ({units} on this rank) ran "
+        f"forward and backward after the last optimizer step, and were never stepped. {fix}",
+    )
 
 
 class _CountedMicrobatch:

@@ -441,12 +441,14 @@ class TrackingSession:
                 "outside_lr",
                 f"{self.owner}: the learning rate was set from outside the tracker between two steps ({lr:.4g}; "
                 f"the tracker left {self._lr_left:.4g}) while the batch is {self.accumulation_steps} microbatches per "
-                f"rank instead of {self.starting_accumulation}. A schedule clocked in optimizer steps now falls "
-                f"behind the data, and the batch-size coupling (x{self.coupling:.4g}) is overwritten. Either pass "
-                "lr_scheduler= to the tracker (and call scheduler.step() once per optimizer step), or replace the "
-                "assignment by `tracker.set_lr(schedule(tracker.starting_batch_steps))`: the schedule clocked in "
-                "starting-batch steps, times tracker.lr_coupling; and end the loop at "
-                "tracker.starting_batch_steps >= max_iters.",
+                f"rank instead of {self.starting_accumulation}, so the batch-size coupling (x{self.coupling:.4g}) is "
+                "overwritten; and a schedule clocked in optimizer steps now falls behind the data (one clocked in "
+                "microbatches, like LitGPT's iter_num, does not). Either pass lr_scheduler= to the tracker (and call "
+                "scheduler.step() once per optimizer step), or replace the assignment by `tracker.set_lr(schedule(t))` "
+                "(the schedule's value times tracker.lr_coupling) with t in the schedule's own unit: "
+                "tracker.starting_batch_steps for one written in optimizer steps (nanoGPT's get_lr(it)), "
+                "tracker.microbatches_seen for one written in microbatches per rank (LitGPT's get_lr(iter_num)); and "
+                "end the loop in the same unit: tracker.done(max_steps) or tracker.done(microbatches=max_iters).",
             )
 
 

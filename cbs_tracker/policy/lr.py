@@ -19,6 +19,7 @@ __all__ = [
     "apply_lr_factor",
     "coupling_factor",
     "resolve_coupling",
+    "schedule_horizon",
     "token_schedule",
 ]
 
@@ -188,10 +189,12 @@ class ScheduleTimer:
             raise ValueError(f"{owner}: scheduler period={period!r}: must be an integer >= 1")
         self.period = period
         self.carry = 0
+        self._warned_horizon = False
         groups = optimizer.param_groups
         self.scheduled = [float(g["lr"]) / self.coupling for g in groups]
         self.peak = [float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in groups]
         self._orig_class = type(scheduler)
+        self.horizon = None if self._plateau or self.per_call else schedule_horizon(scheduler)
         timer = self
 
         def step(self_sched: Any, *args: Any, **kwargs: Any) -> None:
@@ -252,7 +255,33 @@ class ScheduleTimer:
                 )
             n, self.carry = divmod(self.owed + self.carry, self.period)
             self.owed = self.due = 0
+            if n > 0 and self.horizon is not None:
+                n = self._past_horizon(n)
             self._advance(n, *args, **kwargs)
+
+    def _past_horizon(self, n: int) -> int:
+        """Warn once when an optimizer step runs after the schedule already reached its horizon (the loop
+        went on past the data it was sized for); a OneCycleLR, which raises there, stays at its end."""
+        position = int(getattr(self.scheduler, "last_epoch", 0))
+        assert self.horizon is not None
+        onecycle = self._orig_class.__name__ == "OneCycleLR"
+        if position >= self.horizon and not self._warned_horizon:
+            self._warned_horizon = True
+            warnings.warn(
+                f"{self.owner}: the LR scheduler ({self._orig_class.__name__}) reached the end it was sized for "
+                f"({self.horizon} scheduler steps, the data of that many optimizer steps at the starting batch) and "
+                "the loop runs on: every step from here trains on data the plan did not have, "
+                + ("and OneCycleLR cannot step past its total_steps: its last LR is kept. " if onecycle else
+                   "and the schedule goes on past its end (a cosine rises again). ")
+                + "A loop that stops on its own count of optimizer steps (completed_steps >= max_train_steps) "
+                "runs past the plan once the batch has grown; stop it on the data: `if tracker.done(max_train_steps): "
+                "break` after each batch, or `while not tracker.done(max_train_steps):` around each window.",
+                UserWarning,
+                stacklevel=4,
+            )
+        if onecycle:
+            n = max(0, min(n, self.horizon - position))
+        return n
 
     def _write(self) -> None:
         for i, g in enumerate(self.optimizer.param_groups):
@@ -271,6 +300,40 @@ class ScheduleTimer:
         self.owed = int(state["owed"])
         self.carry = int(state.get("carry", 0))
         self.due = int(state.get("due", 1 if self.owed > 0 else 0))
+
+
+def schedule_horizon(scheduler: Any) -> int | None:
+    """Scheduler steps a step-sized schedule was sized for, where it says so; ``None`` elsewhere.
+
+    ``OneCycleLR.total_steps``, ``CosineAnnealingLR.T_max``, ``PolynomialLR.total_iters``, a
+    ``LambdaLR`` of transformers' ``get_scheduler`` (its lambda's ``num_training_steps``, or the
+    warm-up, stable and decay steps of ``warmup_stable_decay``) and a ``SequentialLR`` whose last
+    scheduler has one (after its last milestone). Warm-up-only and constant schedules have none.
+    """
+    cls = getattr(type(scheduler), "_cbs_timer", None)
+    kind = (type(scheduler).__mro__[1] if cls is not None else type(scheduler)).__name__
+    try:
+        if kind == "OneCycleLR":
+            return int(scheduler.total_steps)
+        if kind == "CosineAnnealingLR":
+            return int(scheduler.T_max)
+        if kind == "PolynomialLR":
+            return int(scheduler.total_iters)
+        if kind in ("LambdaLR", "MultiplicativeLR"):
+            for fn in getattr(scheduler, "lr_lambdas", ()):
+                keywords = getattr(fn, "keywords", None) or {}
+                if isinstance(keywords.get("num_training_steps"), int):
+                    return int(keywords["num_training_steps"])
+                parts = [keywords.get(k) for k in ("num_warmup_steps", "num_stable_steps", "num_decay_steps")]
+                if all(isinstance(v, int) for v in parts):
+                    return int(sum(parts))  # type: ignore[arg-type]
+            return None
+        if kind == "SequentialLR":
+            last = schedule_horizon(scheduler._schedulers[-1])
+            return None if last is None else int(scheduler._milestones[-1]) + last
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _has_timer(scheduler: Any) -> bool:
