@@ -169,9 +169,9 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
         ax.axhline(0.0, color="black", lw=0.8)
         ax.axhline(0.005, color="gray", lw=0.8, ls=":")
         ax.axvline(60, color="gray", lw=0.8, ls=":")
-        ax.set_title(f"{setting}: final held-out loss vs the constant batch (circles cosine, squares WSD)", fontsize=9)
+        ax.set_title(f"{setting}: circles cosine, squares WSD; (n) seeds, bars the 90% interval", fontsize=9)
         ax.set_xlabel("optimizer steps saved against the constant batch (%)")
-        ax.set_ylabel("final loss minus constant's, paired by seed (nats); bars: 90% interval")
+        ax.set_ylabel("final loss − constant's (nats, paired by seed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
