@@ -2,17 +2,27 @@
 
 Start the same command on every node (here two agents on one machine stand for two nodes):
 
-    torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
-        --rdzv-id=job1 --max-restarts=3 --rdzv-conf=is_host=1 \\
-        examples/elastic_ddp.py --backend gloo --checkpoint-dir ckpt      # is_host=0 on the other nodes
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc-per-node=1 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=job1 --max-restarts=3 \\
+        --rdzv-conf=is_host=1 examples/elastic_ddp.py --backend gloo --checkpoint-dir ckpt
+        # is_host=0 on the other nodes; HOST is 127.0.0.1 when all agents run on one machine
 
-The agent at ``HOST`` hosts the c10d store (``is_host=1``; it must outlive the others). When a
-node is lost, the surviving workers fail in their next collective, their agents restart them
-(one of ``--max-restarts``) after a new rendezvous without it, and the script resumes from the
-newest checkpoint in ``--checkpoint-dir`` at the new world size: ``CBSTracker.load_state_dict``
-keeps the global batch (the accumulation per rank becomes ``A * D / D'``), the LR coupling,
-the schedule's position in tokens, the estimate and the controller; the ``SequenceStream``
-position counts global sequences, so the data continues where the checkpoint left it.
+The agent at ``HOST`` hosts the c10d store (``is_host=1``; it must outlive the others). Every
+node gives the same ``--checkpoint-dir`` (one folder on one machine, a shared filesystem on
+several). The first agent waits for the others up to the rendezvous' last call (30 s by
+default, ``--rdzv-conf=last_call_timeout=S``) and then starts with the nodes it has.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` lets a node join a running job: with torch's default
+(the agents' store shared with the workers, torch 2.13) the joining agent waits for an address
+the running ones never publish in the new round, and after 60 s every agent fails.
+
+When a node is lost, the surviving workers fail in their next collective, their agents restart
+them (one of ``--max-restarts``) after a new rendezvous without it; when a node joins, the
+running agents stop their workers and start them again with it (not counted as a restart). Either
+way the script resumes from the newest checkpoint in ``--checkpoint-dir`` at the new world
+size: ``CBSTracker.load_state_dict`` keeps the global batch (the accumulation per rank becomes
+``A * D / D'``), the LR coupling, the schedule's position in tokens, the estimate and the
+controller; the ``SequenceStream`` position counts global sequences, so the data continues
+where the checkpoint left it.
 
 Every ``--checkpoint-every`` optimizer steps rank 0 saves the model, the optimizer, the LR
 scheduler, the tracker and the stream (to a temporary file, then renamed: a node lost mid-write
@@ -21,6 +31,11 @@ never leaves a torn checkpoint; the last ``--keep`` are kept); on several machin
 step to ``--log-file`` (step, tokens, global batch, accumulation, world size, LR...).
 A run resumed by hand at another size: ``torchrun --standalone --nproc-per-node=N
 examples/elastic_ddp.py --checkpoint-dir new --resume-from ckpt/ckpt-000040.pt``.
+
+At the end every rank waits for the others, destroys the process group and leaves with
+``os._exit``: DDP keeps gloo's threads alive past ``destroy_process_group`` (torch 2.13), and
+the interpreter's own teardown then aborts a finished worker now and then ("terminate called
+without an active exception"), so that its agent restarts a run that was done.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -108,6 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
     rank, world, device = join_torchrun(args.backend, timeout_s=60)
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        print("elastic_ddp: torchrun shares its rendezvous store with the workers; a node that joins "
+              "later will time out (torch 2.13): start every agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+              flush=True)
+    train(args, rank, world, device)
+    dist.barrier()  # every rank past its last collective before any leaves
+    dist.destroy_process_group()
+    return 0
+
+
+def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
+    """The run from its newest checkpoint (or from scratch) to the end of the budget."""
     ckpt_dir = Path(args.checkpoint_dir)
     log_path = Path(args.log_file) if args.log_file else ckpt_dir / "train.jsonl"
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -221,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
               f"on {world} ranks; global batch {tracker.accumulation_steps * micro_tokens * world:,} tokens "
               f"(A={tracker.accumulation_steps})", flush=True)
         log.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # past the interpreter's teardown, where gloo's leftover threads can abort a finished run
