@@ -186,8 +186,9 @@ def draw(records, path: str, losses: list[LossTrace] | None = None) -> str:
                             label=f"{trace.label}: validation loss")
             vals = [v for trace in losses for v in trace.val]
             if vals:  # the first steps' loss (several nats above the rest) would flatten the curves
-                lo, hi = min(vals), max(vals)
-                bottom.set_ylim(lo - 0.1 * (hi - lo + 0.1), hi + 0.4 * (hi - lo + 0.1))
+                lo = min(vals + [v for trace in losses for v in trace.smoothed()[1]])
+                hi = max(vals)
+                bottom.set_ylim(lo - 0.05 * (hi - lo + 0.1), hi + 0.3 * (hi - lo + 0.1))
             bottom.set_xlabel("tokens seen")
             bottom.set_ylabel("loss (nats/byte)")
             bottom.grid(True, alpha=0.3)
