@@ -341,8 +341,8 @@ class CBSCallback(Callback):
             raise RuntimeError(
                 f"CBSCallback does not support {type(strategy).__name__} yet: sharded parameters are "
                 "replaced by flat or unsharded copies during forward, so hooks on the module's parameters "
-                "do not see the per-microbatch gradients. Use 'ddp' / 'ddp_spawn', or the plain-loop "
-                "CBSTracker with FSDP2."
+                "do not see the per-microbatch gradients. Use 'ddp' / 'ddp_spawn', or FSDP2 in a plain "
+                "loop with FSDPTracker (from cbs_tracker.integrations.fsdp import FSDPTracker)."
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -24,7 +24,8 @@ from cbs_tracker.commands import nqm as nqm_cmd
 from cbs_tracker.theory.nqm import ExactNQM, RowContext, load_row_plugins, registered_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "docs" / "results.md").read_text()  # the result tables live there
+# the result tables live there: this release's in results.md, the earlier releases' in history-2026.md
+README = "\n".join((ROOT / "docs" / name).read_text() for name in ("results.md", "history-2026.md"))
 B_MIN, B_MAX = 8.0, 8192.0
 
 

@@ -28,7 +28,7 @@ same budget, from scratch): the one-rank steps equal it exactly, and every two-r
 tokens, global batch, LR and stream position exactly, the accumulation per rank halved, and the
 noise scale to float32 reduction order. A resume that kept the accumulation per rank (doubling
 the global batch) or restarted the data fails there. Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-(the README's command) both agents die in that rendezvous. Both tests also check the exit: each
+(the guide's command) both agents die in that rendezvous. Both tests also check the exit: each
 start of a worker is logged, so a finished worker that aborted and was restarted shows as one
 more start. ``CBS_ALL_TESTS=1`` adds twenty plain two-agent runs in a row (``CBS_ELASTIC_RUNS``).
 
@@ -64,7 +64,7 @@ RUN = [
 ]
 START_BATCH = 8 * 32  # tokens: --batch-sequences x --seq-len
 RDZV = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=4,join_timeout=60"
-SHARE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # on every agent, as in the README's command
+SHARE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # on every agent, as in the guide's command
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -78,7 +78,7 @@ def _env() -> dict[str, str]:
 
 
 def _start_agent(is_host: int, port: int, ckpt_dir: Path, log: Path, out: Path) -> subprocess.Popen:
-    """One torchrun agent (one worker) of the README's elastic command, on this machine."""
+    """One torchrun agent (one worker) of the guide's elastic command, on this machine."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic-{port}",
@@ -348,7 +348,7 @@ RUNS = int(os.environ.get("CBS_ELASTIC_RUNS", "20"))
 
 
 def test_two_agent_runs_in_a_row_finish_without_a_worker_aborting(tmp_path):
-    """``RUNS`` runs of the README's command on two agents from start to end: each logs one start,
+    """``RUNS`` runs of the guide's command on two agents from start to end: each logs one start,
     ends on ``done`` and both agents exit 0 (CBS_ALL_TESTS=1 only: about 12 s a run)."""
     for i in range(RUNS):
         ckpt_dir, log, port = tmp_path / f"ckpt{i}", tmp_path / f"run{i}.jsonl", _free_port()

@@ -97,3 +97,41 @@ def test_every_cli_command_the_readme_names_exists(command):
     )
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout.lower()
+
+
+def test_demo_picture_draws_the_loss_of_each_run_against_tokens(tmp_path):
+    """The demo's picture: the schedule on top, below it each run's training and validation loss
+    against tokens (the tracker's, and the constant batch's with ``--compare``)."""
+    from cbs_tracker.commands.demo import LossTrace, draw
+    from tests.test_tb import synthetic_run
+
+    records = synthetic_run()
+    tracked, constant = LossTrace("tracker"), LossTrace("constant 512")
+    for trace, batch in ((tracked, 1024.0), (constant, 512.0)):
+        for i in range(1, 9):
+            trace.tokens.append(i * batch)
+            trace.batch.append(batch)
+            trace.train.append(3.0 - 0.1 * i)
+        trace.val_tokens, trace.val = [4 * batch, 8 * batch], [2.7, 2.3]
+    # per token: the first half of the tracker's 8,192 tokens holds 4 steps of 1,024 tokens
+    x, y = tracked.smoothed(bins=2)
+    assert x == [2048.0, 6144.0] and y == pytest.approx([2.75, 2.35])
+    path = tmp_path / "demo.png"
+    assert draw(records, str(path), losses=[tracked, constant]) == f"picture of the run: {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    import matplotlib.figure
+
+    saved = {}
+    original = matplotlib.figure.Figure.savefig
+    try:
+        matplotlib.figure.Figure.savefig = lambda fig, *a, **k: saved.setdefault("fig", fig)
+        draw(records, str(path), losses=[tracked, constant])
+    finally:
+        matplotlib.figure.Figure.savefig = original
+    top, bottom = saved["fig"].axes
+    labels = [line.get_label() for line in bottom.get_lines()]
+    assert labels == ["tracker: training loss", "tracker: validation loss",
+                      "constant 512: training loss", "constant 512: validation loss"]
+    assert "loss" in bottom.get_ylabel() and "tokens" in bottom.get_xlabel()
+    assert any("noise scale" in line.get_label() for line in top.get_lines())

@@ -555,8 +555,12 @@ def test_fsdp_is_refused():
     # Lightning 2.6 runs FSDPStrategy on GPUs only; a stand-in with its name pins the message
     fake = type("FSDPStrategy", (SingleDeviceStrategy,), {})
     trainer = make_trainer(max_steps=2, strategy=fake(device=torch.device("cpu")), callbacks=[CBSCallback()])
-    with pytest.raises(RuntimeError, match=r"CBSCallback does not support FSDPStrategy yet"):
+    with pytest.raises(RuntimeError, match=r"CBSCallback does not support FSDPStrategy yet") as err:
         trainer.fit(Regression(), loader(regression_data(16)))
+    # it names the adapter that measures FSDP2 (the plain-loop CBSTracker refuses it), importable as written
+    assert "from cbs_tracker.integrations.fsdp import FSDPTracker" in str(err.value)
+    assert "CBSTracker" not in str(err.value).replace("FSDPTracker", "")
+    from cbs_tracker.integrations.fsdp import FSDPTracker  # noqa: F401
 
 
 def test_bad_batch_size_fn_result_is_refused():

@@ -5,8 +5,11 @@ Python's own standard library (no download) with a plain PyTorch loop driven by
 :class:`~cbs_tracker.CBSTracker` and the default
 :class:`~cbs_tracker.BatchSizeController`, and prints the measured noise scale,
 the critical batch and the global batch as it goes (a live line on a terminal),
-says why at each batch change, and draws the run at the end. About three minutes
-on one CPU thread with the defaults.
+says why at each batch change, and draws the run at the end: the noise scale, the critical
+batch and the global batch against tokens, and below them the training and validation loss
+against tokens. ``--compare`` also trains the constant starting batch on the same data and
+draws its loss beside the tracker's. About three minutes on one CPU thread with the defaults
+(twice that with ``--compare``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="demo.png",
                    help="picture of the run written at the end (default demo.png; needs matplotlib)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the picture")
+    p.add_argument("--compare", action="store_true",
+                   help="also train the constant starting batch on the same data and draw its loss (twice the time)")
+    p.add_argument("--evals", type=positive_int, default=12,
+                   help="validation losses measured along the run, evenly spaced in tokens (default 12)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -125,46 +132,91 @@ def _runs_from_records(records) -> dict:
     return {"demo": {t: (np.asarray(s), np.asarray(v, dtype=np.float64)) for t, (s, v) in series.items()}}
 
 
-def draw(records, path: str) -> str:
-    """Write the run's picture; returns what happened, in words."""
+class LossTrace:
+    """A run's loss against tokens: each optimizer step's mean training loss and the validation losses."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tokens: list[float] = []  # tokens seen after each optimizer step
+        self.batch: list[float] = []  # tokens in that step
+        self.train: list[float] = []  # the step's mean microbatch loss
+        self.val_tokens: list[float] = []
+        self.val: list[float] = []
+
+    def smoothed(self, bins: int = 48) -> tuple[list[float], list[float]]:
+        """The training loss averaged per token over ``bins`` equal spans of tokens: ``(centres, losses)``."""
+        if not self.tokens:
+            return [], []
+        end = self.tokens[-1]
+        sums, weights = [0.0] * bins, [0.0] * bins
+        for t, b, loss in zip(self.tokens, self.batch, self.train, strict=True):
+            i = min(bins - 1, int(bins * (t - 0.5 * b) / end))
+            sums[i] += loss * b
+            weights[i] += b
+        keep = [i for i in range(bins) if weights[i] > 0]
+        return [(i + 0.5) * end / bins for i in keep], [sums[i] / weights[i] for i in keep]
+
+
+def draw(records, path: str, losses: list[LossTrace] | None = None) -> str:
+    """Write the run's picture; returns what happened, in words.
+
+    Top: the noise scale with its 90% interval, the critical batch and the global batch against tokens
+    (``cbs-tracker plot``'s picture). Below, with ``losses``: each run's training loss (averaged per
+    token over spans of the run) and validation loss against tokens.
+    """
     try:
         from cbs_tracker.commands.plot import draw_schedule
 
-        fig = draw_schedule(_runs_from_records(records), title="cbs-tracker demo")
+        if not losses:
+            fig = draw_schedule(_runs_from_records(records), title="cbs-tracker demo")
+        else:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+
+            fig = Figure(figsize=(9.0, 8.0), layout="constrained")
+            FigureCanvasAgg(fig)
+            top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+            draw_schedule(_runs_from_records(records), title="cbs-tracker demo", ax=top)
+            top.set_xlabel("")
+            for i, trace in enumerate(losses):
+                color = f"C{i}"
+                x, y = trace.smoothed()
+                bottom.plot(x, y, color=color, lw=1.0, alpha=0.6, label=f"{trace.label}: training loss")
+                bottom.plot(trace.val_tokens, trace.val, color=color, lw=1.8, marker="o", ms=3.5,
+                            label=f"{trace.label}: validation loss")
+            vals = [v for trace in losses for v in trace.val]
+            if vals:  # the first steps' loss (several nats above the rest) would flatten the curves
+                lo = min(vals + [v for trace in losses for v in trace.smoothed()[1]])
+                hi = max(vals)
+                bottom.set_ylim(lo - 0.05 * (hi - lo + 0.1), hi + 0.3 * (hi - lo + 0.1))
+            bottom.set_xlabel("tokens seen")
+            bottom.set_ylabel("loss (nats/byte)")
+            bottom.grid(True, alpha=0.3)
+            bottom.legend(fontsize=8, loc="upper right")
     except ImportError:
         return "no picture: matplotlib is not installed (pip install 'cbs-tracker[plot]')"
     fig.savefig(path, dpi=110)
     return f"picture of the run: {os.path.abspath(path)}"
 
 
-def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+def _train(args, corpus, *, controller, logger, progress, trace: LossTrace, say_changes: bool):
+    """One run of the demo GPT on the demo stream; returns ``(model, tracker, records, last record, loss)``.
+
+    Every run built here starts from the same weights and reads the same sequences in the same order.
+    """
     torch.manual_seed(args.seed)
-    corpus = load_corpus(args.max_bytes)
     model = GPT(GPTConfig(context_length=args.seq_len))
     optimizer = make_adamw(model, lr=args.lr, weight_decay=0.1)
     stream = SequenceStream(corpus.train, seq_len=args.seq_len, seed=args.seed)
     micro_tokens = args.micro_sequences * args.seq_len
-    logger = None
-    if args.logdir:
-        from cbs_tracker.integrations.tensorboard import TensorBoardLogger
-
-        logger = TensorBoardLogger(args.logdir)
-    controller = BatchSizeController(observe_only=args.observe_only)
     tracker = CBSTracker(
         model, optimizer, accumulation_steps=args.accumulation, controller=controller, logger=logger,
-        max_microbatch=args.max_microbatch,
+        max_microbatch=args.max_microbatch if controller is not None else None,
     )
-    start_batch = args.accumulation * micro_tokens
-    print(
-        f"cbs-tracker demo: GPT {model.num_parameters() / 1e6:.2f}M params on {corpus.num_files} stdlib files "
-        f"({corpus.num_bytes / 1e6:.1f} MB); batch starts at {start_batch:,} tokens ({args.accumulation} x "
-        f"{micro_tokens}); budget {args.tokens / 1e6:.2f}M tokens"
-    )
-    progress = Progress(args.tokens, args.print_every)
+    eval_every = args.tokens / args.evals
+    next_eval = eval_every
     records = []
-    changes = 0
+    record = None
     last_loss = math.nan
     batches = iter(lambda: stream.next_batch(args.micro_sequences), None)  # an endless loader
     for window in tracker.windows(batches):
@@ -182,9 +234,16 @@ def main(argv: list[str]) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         records.append(record)
+        trace.tokens.append(record.tokens_seen)
+        trace.batch.append(record.global_batch)
+        trace.train.append(last_loss)
+        if record.tokens_seen >= next_eval and record.tokens_seen < args.tokens:
+            trace.val_tokens.append(record.tokens_seen)
+            trace.val.append(evaluate(model, corpus.val, seq_len=args.seq_len, num_sequences=128))
+            while next_eval <= record.tokens_seen:
+                next_eval += eval_every
         progress.update(record, last_loss)
-        if record.next_accumulation_steps != record.accumulation_steps:
-            changes += 1
+        if say_changes and record.next_accumulation_steps != record.accumulation_steps:
             new = record.next_accumulation_steps * micro_tokens
             layout = f"; {tracker.accumulation_steps} x {tracker.microbatch_batches * micro_tokens:,}-token microbatches"
             progress.say(
@@ -192,9 +251,37 @@ def main(argv: list[str]) -> int:
                 f"{record.global_batch:,.0f} -> {new:,} tokens{_change_reason(tracker)}"
                 + (layout if args.max_microbatch else "")
             )
+    val = evaluate(model, corpus.val, seq_len=args.seq_len, num_sequences=128)
+    trace.val_tokens.append(tracker.tokens_seen)
+    trace.val.append(val)
+    return model, tracker, records, record, last_loss, val
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    corpus = load_corpus(args.max_bytes)
+    micro_tokens = args.micro_sequences * args.seq_len
+    logger = None
+    if args.logdir:
+        from cbs_tracker.integrations.tensorboard import TensorBoardLogger
+
+        logger = TensorBoardLogger(args.logdir)
+    controller = BatchSizeController(observe_only=args.observe_only)
+    start_batch = args.accumulation * micro_tokens
+    params = GPT(GPTConfig(context_length=args.seq_len)).num_parameters()
+    print(
+        f"cbs-tracker demo: GPT {params / 1e6:.2f}M params on {corpus.num_files} stdlib files "
+        f"({corpus.num_bytes / 1e6:.1f} MB); batch starts at {start_batch:,} tokens ({args.accumulation} x "
+        f"{micro_tokens}); budget {args.tokens / 1e6:.2f}M tokens"
+    )
+    progress = Progress(args.tokens, args.print_every)
+    tracked = LossTrace("tracker")
+    model, tracker, records, record, last_loss, val = _train(
+        args, corpus, controller=controller, logger=logger, progress=progress, trace=tracked, say_changes=True)
+    changes = sum(r.next_accumulation_steps != r.accumulation_steps for r in records)
     elapsed = time.perf_counter() - progress.start
     progress.say(progress.line(record, last_loss))
-    val = evaluate(model, corpus.val, seq_len=args.seq_len, num_sequences=128)
     ns = tracker.noise_scale
     final = tracker.accumulation_steps * tracker.microbatch_batches * micro_tokens
     print(
@@ -214,8 +301,23 @@ def main(argv: list[str]) -> int:
                   f"x the lower end of its 90% interval) at {need:,.0f} tokens or more for {controller.patience} "
                   f"measurements in a row, after a warm-up; at the end it was {have} tokens. A longer run "
                   f"(--tokens) lets the noise scale rise")
+    traces = [tracked]
+    if args.compare:
+        constant = LossTrace(f"constant {start_batch:,}")
+        print(f"the constant batch of {start_batch:,} tokens on the same data, for comparison:")
+        progress = Progress(args.tokens, args.print_every)
+        _, const_tracker, _, const_record, const_loss, const_val = _train(
+            args, corpus, controller=None, logger=None, progress=progress, trace=constant, say_changes=False)
+        progress.say(progress.line(const_record, const_loss))
+        fewer = 1 - tracker.steps / const_tracker.steps
+        print(
+            f"constant batch {start_batch:,}: {const_tracker.steps} optimizer steps, val loss {const_val:.3f} "
+            f"nats/byte; the tracker: {tracker.steps} steps ({fewer:.0%} fewer), val loss {val:.3f} "
+            f"({val - const_val:+.3f})"
+        )
+        traces.append(constant)
     if not args.no_plot:
-        print(draw(records, args.plot))
+        print(draw(records, args.plot, losses=traces))
     if logger is not None:
         logger.close()
     return 0

@@ -77,7 +77,7 @@ def _positive(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def draw_schedule(
-    runs: dict[str, RunScalars], *, title: str | None = None, log_x: bool = False
+    runs: dict[str, RunScalars], *, title: str | None = None, log_x: bool = False, ax=None
 ) -> Figure:
     """Draw noise scale, critical batch and global batch against units seen, one colour per run.
 
@@ -89,6 +89,7 @@ def draw_schedule(
         runs: the output of ``read_cbs_scalars`` (or a subset of it).
         title: figure title.
         log_x: log-scale x-axis as well.
+        ax: a matplotlib axis to draw on (its figure is returned); ``None``: a new figure.
 
     Returns:
         The figure (save it with ``fig.savefig(path)``).
@@ -111,9 +112,12 @@ def draw_schedule(
         raise ValueError(f"runs in different units cannot share an axis: {units}")
     unit = next(iter(units.values()))
 
-    fig = Figure(figsize=(9.0, 5.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    if ax is None:
+        fig = Figure(figsize=(9.0, 5.5), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
     colors = [f"C{i % 10}" for i in range(len(runs))]
     several = len(runs) > 1
     for color, (name, run) in zip(colors, runs.items(), strict=True):

@@ -1,0 +1,257 @@
+"""What the README and docs/ state about the code, against the code.
+
+- the size of the one all-reduce per optimizer step (bytes, and how many float64 numbers);
+- the logged tags each doc lists, against the tags the code writes;
+- the options docs/options.md lists per adapter, against each adapter's signature.
+
+A number or a name changed on one side only fails here.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cbs_tracker.core import measure
+from cbs_tracker.core.tags import TAGS
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = {
+    "README.md": ROOT / "README.md",
+    **{f"docs/{p.name}": p for p in sorted((ROOT / "docs").glob("*.md"))},
+}
+WORDS = {"ten": 10, "twelve": 12, "sixteen": 16, "eighteen": 18, "twenty": 20}
+
+
+def _text(name: str) -> str:
+    return DOCS[name].read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------ the all-reduce
+
+
+class _Captured(Exception):
+    pass
+
+
+class _TwoRanks:
+    """``cbs_tracker.core.distributed`` as ``reduce_window`` sees it on two ranks: the reduced vector is
+    captured and the step stopped there."""
+
+    def __init__(self, real):
+        self._real = real
+        self.sent: list[torch.Tensor] = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def group_size(self, group):
+        return 2
+
+    def all_reduce_sum(self, values, group):
+        self.sent.append(values.detach().clone())
+        raise _Captured
+
+
+def _sent_per_step(monkeypatch, measured: bool) -> torch.Tensor:
+    """The vector one rank hands to the all-reduce at ``tracker.step()``."""
+    from cbs_tracker.integrations.plain import CBSTracker
+
+    fake = _TwoRanks(measure.cbs_dist)
+    monkeypatch.setattr(measure, "cbs_dist", fake)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = CBSTracker(model, optimizer, accumulation_steps=2)
+    for _ in range(2):
+        with tracker.microbatch(size=8):
+            model(torch.randn(8, 4)).pow(2).mean().div(2).backward()
+    if measured:
+        with pytest.raises(_Captured):
+            tracker.step()
+    else:  # a window the measuring cadence lets pass: its counts go through the same collective
+        with pytest.raises(_Captured):
+            measure.reduce_window(tracker.collector, list(model.parameters()), dp_group=None, loss_divisor=2.0,
+                                  avg_ranks=2, expected_microbatches=2, measured=False)
+    (vec,) = fake.sent
+    with warnings.catch_warnings():  # the window was left unstepped on purpose
+        warnings.simplefilter("ignore")
+        del tracker
+        gc.collect()
+    return vec
+
+
+@pytest.fixture(scope="module")
+def all_reduce() -> tuple[int, int]:
+    """``(numbers, bytes)`` of the one all-reduce per step, measured and unmeasured windows alike."""
+    mp = pytest.MonkeyPatch()
+    try:
+        vecs = [_sent_per_step(mp, measured) for measured in (True, False)]
+    finally:
+        mp.undo()
+    for vec in vecs:
+        assert vec.dtype == torch.float64 and vec.dim() == 1
+    assert vecs[0].numel() == vecs[1].numel()  # every rank calls the same collective whatever the cadence
+    return vecs[0].numel(), vecs[0].numel() * vecs[0].element_size()
+
+
+def _reduce_claims(text: str) -> tuple[list[int], list[int]]:
+    """The byte counts and the counts of numbers a text gives for the all-reduce."""
+    text = " ".join(text.split())
+    bytes_ = [int(b) for b in re.findall(r"all[-_ ]?reduce`* of (\d+) bytes", text, flags=re.I)]
+    numbers = []
+    for m in re.finditer(r"(?:all[-_ ]?reduce`* of|vector of|\() ?(\d+|[a-z]+) (?:float64 )?numbers", text, flags=re.I):
+        n = m.group(1).lower()
+        numbers.append(int(n) if n.isdigit() else WORDS.get(n, -1))
+    return bytes_, numbers
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/results.md", "docs/design.md", "docs/guide.md"])
+def test_the_docs_give_the_all_reduce_its_real_size(all_reduce, name):
+    numbers, size = all_reduce
+    claimed_bytes, claimed_numbers = _reduce_claims(_text(name))
+    assert claimed_bytes or claimed_numbers, f"{name} no longer states the all-reduce's size"
+    assert all(b == size for b in claimed_bytes), (name, claimed_bytes, size)
+    assert all(n == numbers for n in claimed_numbers), (name, claimed_numbers, numbers)
+
+
+def test_the_code_says_the_same_size(all_reduce):
+    numbers, _ = all_reduce
+    _, claimed = _reduce_claims(inspect.getsource(measure))
+    assert claimed and all(n == numbers for n in claimed), claimed
+
+
+def test_the_claim_parser_reads_a_wrong_number():
+    # what a hand-edited doc would say
+    assert _reduce_claims("each rank contributes a vector of ten float64 numbers") == ([], [10])
+    assert _reduce_claims("One all-reduce of 80 bytes per step") == ([80], [])
+
+
+# ------------------------------------------------------------------ the logged tags
+
+CODE_TAGS = {t.tag.format(unit="tokens") for t in TAGS}
+
+
+def test_the_guide_lists_every_tag_the_code_writes():
+    text = _text("docs/guide.md")
+    section = text.split("\n## TensorBoard tags\n", 1)[1].split("\n## ", 1)[0]
+    per_step = re.search(r"Under `cbs/` against the optimizer step: (.*?); under `cbs_tokens/`", section, flags=re.S)
+    per_token = re.search(r"under `cbs_tokens/` the schedule tags \((.*?)\)", section, flags=re.S)
+    assert per_step and per_token, "the guide's tag list moved"
+    listed = {f"cbs/{n}" for n in re.findall(r"`([a-z_]+)`", per_step.group(1))}
+    listed |= {f"cbs_tokens/{n}" for n in re.findall(r"`([a-z_]+)`", per_token.group(1))}
+    assert listed == CODE_TAGS, (sorted(listed - CODE_TAGS), sorted(CODE_TAGS - listed))
+
+
+@pytest.mark.parametrize("name", sorted(DOCS))
+def test_every_tag_a_doc_names_is_written_by_the_code(name):
+    named = set(re.findall(r"`(cbs(?:_tokens|_samples)?/[a-z_{}]+)`", _text(name)))
+    named = {t.replace("{unit}", "tokens").replace("_samples", "_tokens").replace("samples_seen", "tokens_seen")
+             for t in named if not t.endswith("/")}
+    unknown = {t for t in named if t not in CODE_TAGS}
+    assert not unknown, f"{name} names tags the code does not write: {sorted(unknown)}"
+
+
+# ------------------------------------------------------------------ the options per adapter
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _table_options(section: str) -> set[str]:
+    """The names in the first column of a section's option table."""
+    names = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names |= set(re.findall(r"`([a-z_0-9]+)`", line.split("|")[1]))
+    return names
+
+
+def _mentioned(section: str) -> set[str]:
+    return set(re.findall(r"`([a-z_0-9]+)`", section))
+
+
+def _params(fn, drop=("self", "model", "optimizer", "accelerator", "args", "kwargs", "marks")) -> set[str]:
+    return {p for p in inspect.signature(fn).parameters if p not in drop}
+
+
+OPTIONS = (ROOT / "docs" / "options.md").read_text(encoding="utf-8")
+SHARED = _table_options(_section(OPTIONS, "Shared by"))
+
+
+def test_the_plain_loop_options_are_its_signature():
+    from cbs_tracker.core.loop import LoopTracker
+
+    documented = SHARED | _table_options(_section(OPTIONS, "Plain loop"))
+    assert documented == _params(LoopTracker.__init__)
+
+
+def test_the_fsdp2_options_are_its_signature():
+    from cbs_tracker.core.loop import LoopTracker
+    from cbs_tracker.integrations.fsdp import FSDPTracker
+
+    own = _params(FSDPTracker.__init__) - _params(LoopTracker.__init__)
+    assert own and own <= _mentioned(_section(OPTIONS, "FSDP2"))
+
+
+def test_the_accelerate_options_are_its_signature():
+    from cbs_tracker.core.loop import LoopTracker
+
+    accelerate = pytest.importorskip("cbs_tracker.integrations.accelerate")
+    section = _section(OPTIONS, "Accelerate")
+    assert _table_options(section) == _params(accelerate.AcceleratorTracker.__init__)
+    # the plain loop's others pass through, except those it names as refused (each refused with its reason)
+    source = inspect.getsource(accelerate.AcceleratorTracker.__init__)
+    refused = {k for k in _params(LoopTracker.__init__) if f'"{k}"' in source and "not an argument" in source}
+    refused_named = _mentioned(section.split("which are refused")[0].split("except those")[1])
+    assert refused <= refused_named | {"loss_normalization", "loss_divided_by_accumulation", "grad_scaler"}
+
+
+def test_the_lightning_options_are_its_signature():
+    from cbs_tracker.integrations.lightning import CBSCallback
+
+    documented = SHARED | _table_options(_section(OPTIONS, "Lightning: `CBSCallback"))
+    assert documented == _params(CBSCallback.__init__)
+
+
+def test_the_hugging_face_options_are_its_signature():
+    transformers = pytest.importorskip("cbs_tracker.integrations.transformers")
+    section = _section(OPTIONS, "Hugging Face")
+    params = _params(transformers.CBSTrainer.__init__)
+    assert params - SHARED <= _mentioned(section)
+    # a shared option it does not take is named as read from the Trainer
+    for missing in SHARED - params:
+        row = next(line for line in _section(OPTIONS, "Shared by").splitlines() if line.startswith(f"| `{missing}`"))
+        assert "Hugging Face: read from the Trainer" in row, missing
+
+
+def test_the_olmo_core_options_are_its_signature():
+    olmo = pytest.importorskip("cbs_tracker.integrations.olmo_core")
+    assert _table_options(_section(OPTIONS, "OLMo-core")) == _params(olmo.CBSOlmoCallback.__init__)
+
+
+@pytest.mark.parametrize("heading, name", [
+    ("`BatchSizeController", "BatchSizeController"),
+    ("`BatchSchedule", "BatchSchedule"),
+    ("`NoiseScaleEstimator", "NoiseScaleEstimator"),
+    ("`measure_critical_batch", "measure_critical_batch"),
+])
+def test_the_policy_options_are_their_signatures(heading, name):
+    import cbs_tracker
+
+    fn = getattr(cbs_tracker, name)
+    documented = _table_options(_section(OPTIONS, heading))
+    params = _params(fn if inspect.isfunction(fn) else fn.__init__)
+    if name == "BatchSchedule":
+        documented.discard("marks")
+    assert documented == params, (sorted(params - documented), sorted(documented - params))
