@@ -79,3 +79,26 @@ def test_unknown_rules_are_refused_naming_the_choices(frontier, capsys):
     with pytest.raises(SystemExit):
         frontier.main(["--rules", "constant,kappa9"])
     assert "unknown ['kappa9']" in capsys.readouterr().err
+
+
+def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(frontier):
+    """docs/results.md's frontier table is the one docs/frontier.json gives, and every loss difference and
+    share of steps the README's frontier line states is one of its points'."""
+    import re
+
+    doc = json.loads((frontier.ROOT / "docs" / "frontier.json").read_text())
+    pts = frontier.points(doc["runs"])
+    assert pts == doc["points"]  # the committed points are the runs' own
+    results = (frontier.ROOT / "docs" / "results.md").read_text()
+    table = results.split("<!-- frontier-table -->\n", 1)[1].split("\n\n", 1)[0] + "\n"
+    assert table == frontier.table(pts)
+    readme = (frontier.ROOT / "README.md").read_text().split("<!-- frontier-line -->\n", 1)[1].split("\n", 1)[0]
+    assert "frontier" in readme, readme
+    deltas = {f"{p['delta_mean']:+.3f}".replace("-", "−") for p in pts}
+    shares = {f"{round(100 * p['steps_saved'])}%" for p in pts}
+    shares |= {f"{round(100 * x)}" for p in pts for x in p["steps_saved_range"]}
+    stated_deltas = re.findall(r"[+−]\d\.\d{3}(?= nats)", readme)
+    stated_shares = re.findall(r"(\d+)(?:–\d+)?% fewer", readme) + re.findall(r"\d+–(\d+)% fewer", readme)
+    assert stated_deltas and stated_shares
+    assert set(stated_deltas) <= deltas, (stated_deltas, deltas)
+    assert {s.rstrip("%") for s in stated_shares} <= {s.rstrip("%") for s in shares}, (stated_shares, shares)
