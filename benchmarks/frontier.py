@@ -176,11 +176,27 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+RESULTS = ROOT / "docs" / "results.md"
+TABLE_MARK = "<!-- frontier-table -->\n"
+
+
+def update_results_table(pts: list[dict[str, Any]], path: Path = RESULTS) -> None:
+    """Replace the table after ``TABLE_MARK`` in ``docs/results.md`` (up to the next blank line) with ``pts``'."""
+    text = path.read_text()
+    if TABLE_MARK not in text:
+        return
+    head, rest = text.split(TABLE_MARK, 1)
+    tail = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
+    path.write_text(head + TABLE_MARK + table(pts) + "\n" + tail)
+
+
 def report(doc: dict[str, Any], path: Path = DOC, picture: Path | None = PICTURE) -> None:
     doc["points"] = points(doc["runs"])
     doc["runs"].sort(key=lambda r: (r["setting"], r["lr_schedule"], r["rule"], r["seed"]))
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(table(doc["points"]))
+    if path == DOC:
+        update_results_table(doc["points"])
     if picture is not None and doc["points"]:
         draw(doc["points"], picture)
 
