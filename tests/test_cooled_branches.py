@@ -80,3 +80,21 @@ def test_cooled_branches_land_near_the_best_batch_for_the_rest_of_the_run_where_
     early = points[0]  # early in the run the best batch is interior, and the uncooled branches miss it
     assert early.best_batch <= largest / 8 and early.uncooled_pick > 2 * early.best_batch, early
     assert abs(math.log2(early.cooled_pick / early.best_batch)) < abs(math.log2(early.uncooled_pick / early.best_batch))
+
+
+def test_cli_calibrate_cooldown_branches_from_the_same_state_and_records_it(tmp_path, capsys):
+    import json
+
+    from cbs_tracker.cli import main
+
+    args = ["calibrate", "--quick", "--marks", "4096", "--multiples", "1,2", "--no-plot"]
+    assert main([*args, "--out", str(tmp_path / "plain")]) == 0
+    assert main([*args, "--out", str(tmp_path / "cooled"), "--cooldown", "0.5"]) == 0
+    (plain,) = json.loads((tmp_path / "plain" / "calibration.json").read_text())
+    (cooled,) = json.loads((tmp_path / "cooled" / "calibration.json").read_text())
+    assert (plain["cooldown"], cooled["cooldown"]) == (0.0, 0.5)
+    assert cooled["start_loss"] == plain["start_loss"] and cooled["tokens"] == plain["tokens"]  # the same state
+    assert all(c["losses"] != p["losses"] for c, p in zip(cooled["branches"], plain["branches"]))
+    with pytest.raises(SystemExit):
+        main([*args, "--out", str(tmp_path / "bad"), "--cooldown", "1.5"])
+    assert "--cooldown=1.5" in capsys.readouterr().err

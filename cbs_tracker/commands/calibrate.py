@@ -199,22 +199,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a tiny model and corpus (seconds; for a smoke test)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cooldown", type=float, default=0.0,
+                   help="anneal each branch's LR to zero over this last fraction of it (1-sqrt) before the "
+                        "evaluation (default 0: none; 0.5 compares the batches with their gradient noise removed)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.cooldown <= 1.0:
+        parser.error(f"--cooldown={args.cooldown!r}: a fraction of the branch in [0, 1]")
     import torch
 
     torch.set_num_threads(args.threads)
     c = GPTCalibration(marks=args.marks, run_tokens=args.run_tokens, branch_tokens=args.branch_tokens,
                        replicates=args.replicates, epsilon=args.epsilon, multiples=tuple(args.multiples),
-                       seed=args.seed)
+                       seed=args.seed, cooldowns=(args.cooldown,))
     if args.quick:
         c = GPTCalibration(marks=tuple(m for m in args.marks if m < 20_000) or (4096, 8192), run_tokens=32_768,
                            branch_tokens=min(args.branch_tokens, 2048), seq_len=32, n_layer=1, d_model=32, n_head=2,
                            warmup_tokens=2048, replicates=args.replicates, epsilon=args.epsilon,
-                           multiples=tuple(args.multiples), eval_sequences=16, max_bytes=1 << 20, seed=args.seed)
+                           multiples=tuple(args.multiples), eval_sequences=16, max_bytes=1 << 20, seed=args.seed,
+                           cooldowns=(args.cooldown,))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
