@@ -181,13 +181,47 @@ TABLE_MARK = "<!-- frontier-table -->\n"
 
 
 def update_results_table(pts: list[dict[str, Any]], path: Path = RESULTS) -> None:
-    """Replace the table after ``TABLE_MARK`` in ``docs/results.md`` (up to the next blank line) with ``pts``'."""
+    """Replace the tables after ``TABLE_MARK`` and ``KAPPA_MARK`` in ``docs/results.md`` (each up to the next
+    blank line) with ``pts``' and the calibrations'."""
     text = path.read_text()
-    if TABLE_MARK not in text:
-        return
-    head, rest = text.split(TABLE_MARK, 1)
-    tail = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
-    path.write_text(head + TABLE_MARK + table(pts) + "\n" + tail)
+    for mark, body in ((TABLE_MARK, table(pts)), (KAPPA_MARK, kappa_table(pts))):
+        if mark not in text:
+            continue
+        head, rest = text.split(mark, 1)
+        tail = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
+        text = head + mark + body + "\n" + tail
+    path.write_text(text)
+
+
+KAPPA_MARK = "<!-- kappa-table -->\n"
+
+
+def kappa_table(pts: list[dict[str, Any]], root: Path = ROOT / "docs") -> str:
+    """Per setting and branch point: the critical batch and ``kappa`` of uncooled and cooled branches from the
+    same state (``docs/calibration_{uncooled,cooled}_<setting>_seed0.json``), beside the frontier's best rule
+    under cosine (the most steps saved with the mean loss at or below the constant's)."""
+    lines = ["| setting | tokens | B_simple (tracker) | uncooled: critical batch, κ | cooled: critical batch, κ | "
+             "frontier's best rule so far (cosine) |", "|---|---|---|---|---|---|"]
+    for setting in ("full", "prose"):
+        files = {kind: root / f"calibration_{kind}_{setting}_seed0.json" for kind in ("uncooled", "cooled")}
+        if not all(f.exists() for f in files.values()):
+            continue
+        loaded = {kind: json.loads(f.read_text())["points"] for kind, f in files.items()}
+        ok = [p for p in pts if p["setting"] == setting and p["schedule"] == "cosine" and p["delta_mean"] <= 0]
+        best = max(ok, key=lambda p: p["steps_saved"], default=None)
+        best_text = "" if best is None else (f"{best['rule']}: {best['delta_mean']:+.4f}, {best['steps_saved']:.0%} "
+                                             f"fewer steps ({len(best['seeds'])} seeds)")
+
+        def cell(point: dict[str, Any]) -> str:
+            c = point["critical"]
+            high = "∞" if c["high"] is None else f"{c['high']:,.0f}"
+            kappa = "" if point["kappa"] is None else f", {point['kappa']:.2f}"
+            return f"[{c['low']:,.0f}, {high}){'' if c['resolved'] else '?'}{kappa}"
+
+        for unc, coo in zip(loaded["uncooled"], loaded["cooled"]):
+            ns = "" if unc["noise_scale"] is None else f"{unc['noise_scale']:,.0f}"
+            lines.append(f"| {setting} | {unc['tokens']:,.0f} | {ns} | {cell(unc)} | {cell(coo)} | {best_text} |")
+    return "\n".join(lines) + "\n"
 
 
 def report(doc: dict[str, Any], path: Path = DOC, picture: Path | None = PICTURE) -> None:

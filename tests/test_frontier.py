@@ -92,6 +92,8 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     results = (frontier.ROOT / "docs" / "results.md").read_text()
     table = results.split("<!-- frontier-table -->\n", 1)[1].split("\n\n", 1)[0] + "\n"
     assert table == frontier.table(pts)
+    kappas = results.split("<!-- kappa-table -->\n", 1)[1].split("\n\n", 1)[0] + "\n"
+    assert kappas == frontier.kappa_table(pts) and "| prose |" in kappas  # the calibrations' own kappa
     readme = (frontier.ROOT / "README.md").read_text().split("<!-- frontier-line -->\n", 1)[1].split("\n", 1)[0]
     assert "frontier" in readme, readme
     deltas = {f"{p['delta_mean']:+.3f}".replace("-", "−") for p in pts}
