@@ -9,6 +9,12 @@ tokens) and checkpoints its state with the trainer's. Rank 0 prints what was mea
     pip install -e ".[olmo]"
     python examples/olmo_core_gpt.py
     torchrun --standalone --nproc_per_node=2 examples/olmo_core_gpt.py --dp ddp    # or --dp fsdp (gloo on CPUs)
+
+Both start from the same global batch (2 microbatches of 2 sequences: one process accumulates
+two, two ranks run one each), so they see the same data and grow at about the same step; the
+default budget (150k tokens) shows a doubling in a minute or two on two CPU cores. A run that
+OLMo-core stops early (SIGTERM from a ``timeout``, Ctrl-C) saves its checkpoint and returns
+normally: the last line then says how much of the budget ran, and the same command resumes it.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from cbs_tracker.demo.corpus import load_corpus
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=100_000, help="training budget in tokens, all ranks (default 100k)")
+    p.add_argument("--tokens", type=int, default=150_000, help="training budget in tokens, all ranks (default 150k)")
     p.add_argument("--seq-len", type=int, default=64, help="context length (default 64)")
     p.add_argument("--micro-sequences", type=int, default=2, help="sequences per microbatch per rank (default 2)")
-    p.add_argument("--accumulation", type=int, default=2, help="starting microbatches per step and rank (default 2)")
+    p.add_argument("--accumulation", type=int, default=None,
+                   help="starting microbatches per step and rank (default: 2 in all, i.e. 2 on one process, 1 on two ranks)")
     p.add_argument("--lr", type=float, default=4e-3, help="AdamW peak learning rate (default 4e-3)")
     p.add_argument("--dp", choices=["ddp", "fsdp"], default="ddp", help="data parallelism under torchrun")
     p.add_argument("--warmup-steps", type=int, default=20, help="controller: no change before this step")
@@ -53,6 +60,10 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     world = dist.get_world_size() if distributed else 1
+    accumulation = args.accumulation if args.accumulation is not None else max(1, 2 // world)
+    if accumulation < 1 or accumulation * world < 2:
+        raise SystemExit(f"--accumulation={accumulation}: need at least 1 per rank and 2 microbatches in all "
+                         f"(here {world} rank(s)) to measure the noise scale")
     rank = dist.get_rank() if distributed else 0
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
@@ -80,22 +91,30 @@ def main() -> None:
         dp_config=TransformerDataParallelConfig(name=args.dp) if distributed else None,
     ).build(model, device=device)
     loader = NumpyDataLoaderConfig(
-        global_batch_size=args.accumulation * args.micro_sequences * seq * world, seed=0, work_dir=work,
+        global_batch_size=accumulation * args.micro_sequences * seq * world, seed=0, work_dir=work,
     ).build(dataset, dp_process_group=module.dp_process_group)
     cbs = CBSOlmoCallback(controller=BatchSizeController(warmup_steps=args.warmup_steps, patience=8))
     trainer = TrainerConfig(
-        save_folder=os.path.join(work, f"run{world}"), max_duration=Duration.tokens(args.tokens),
+        # one folder per setting: the same command resumes its own run, another budget starts afresh
+        save_folder=os.path.join(work, f"run{world}{'-' + args.dp if distributed else ''}-{args.tokens}"),
+        max_duration=Duration.tokens(args.tokens),
         metrics_collect_interval=10, save_overwrite=True,
         callbacks={"cbs": cbs, "checkpointer": CheckpointerCallback(save_interval=10_000, save_async=False)},
     ).build(module, loader)
     trainer.fit()
-    if rank == 0:
-        record = cbs.last_record
-        assert record is not None
+    record = cbs.last_record
+    if rank == 0 and record is None:
+        print(f"nothing left to train: {trainer.save_folder} holds a run that finished its {args.tokens:,d} tokens "
+              "(pass another --work-dir or --tokens to train again)")
+    elif rank == 0:
         noise = "-" if record.noise_scale is None else f"{record.noise_scale:,.0f}"
         print(f"{record.step} steps, {record.tokens_seen:,.0f} loss tokens on {world} rank(s); noise scale "
               f"{noise} tokens; global batch {trainer.data_loader.global_batch_size:,d} tokens; batch changes "
               f"(step, tokens): {cbs.applied_changes}; LR coupling x{record.lr_coupling:.3g}")
+        seen = trainer.global_train_tokens_seen
+        print(f"OLMo-core trained {seen:,d} of the {args.tokens:,d}-token budget"
+              + ("" if seen >= args.tokens else f": stopped {args.tokens - seen:,d} tokens short (canceled: "
+                 f"{getattr(trainer, '_cancel_reason', None) or 'see the warning above'}); the same command resumes it"))
     if distributed:
         dist.destroy_process_group()
 

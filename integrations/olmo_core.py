@@ -155,6 +155,7 @@ class CBSOlmoCallback(Callback):
         self._measure = True
         self._window: tuple[Any, WindowFaults, int] | None = None
         self._warned_divide: set[int] = set()
+        self._warned_stop = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -433,6 +434,53 @@ class CBSOlmoCallback(Callback):
             )
         for name, value in record_scalars(record).items():
             self.trainer.record_metric(name, float(value), reduce_type=None)
+
+    # ------------------------------------------------------------------ the end
+    def post_train(self) -> None:
+        """Warn once when ``fit()`` returned before ``max_duration``, saying how much of the plan ran.
+
+        OLMo-core's ``Trainer`` turns SIGTERM/SIGINT (a ``timeout``, a scheduler's preemption,
+        Ctrl-C) into a cancel that stops the run at its next cancel check (every
+        ``cancel_check_interval`` steps), saves a checkpoint and returns from ``fit()`` without an
+        error, so a script prints its results as if the run had finished.
+        """
+        session, trainer = self.session, self.trainer
+        if session is None or session.step == 0:
+            return
+        duration = trainer.max_duration
+        step, tokens, epoch = int(trainer.global_step), int(trainer.global_train_tokens_seen), int(trainer.epoch)
+        try:
+            if duration.due(step=step, tokens=tokens, epoch=epoch):
+                return
+        except NotImplementedError:
+            return
+        unit = str(duration.unit).split(".")[-1]
+        if unit == "tokens":
+            planned = int(duration.value)
+            short = (f"after {tokens:,d} of its planned {planned:,d} tokens ({tokens / planned:.0%}; "
+                     f"{planned - tokens:,d} tokens short)")
+        elif unit == "steps":
+            left = int(duration.value) - step
+            short = (f"after {step:,d} of its planned {int(duration.value):,d} steps ({tokens:,d} tokens; {left:,d} "
+                     f"steps short, {left * int(trainer.data_loader.global_batch_size):,d} tokens at the current batch)")
+        else:
+            short = f"in epoch {epoch} of its planned {duration.value} ({tokens:,d} tokens)"
+        if trainer.is_canceled:
+            reason = getattr(trainer, "_cancel_reason", None) or "no reason given"
+            why = f"OLMo-core's Trainer canceled it ({reason})"
+        elif trainer.hard_stop is not None and trainer.hard_stop.due(step=step, tokens=tokens, epoch=epoch):
+            why = f"the trainer's hard_stop={trainer.hard_stop} came first"
+        else:
+            why = "the trainer stopped it"
+        if self._warned_stop:
+            return
+        self._warned_stop = True  # not in the saved state: a resumed run that stops short again says so again
+        log.warning(
+            f"CBSOlmoCallback: the run ended at step {step:,d} {short}: {why}, and fit() returned without an "
+            f"error. The tracker's record covers the {session.units_seen:,.0f} loss tokens of the steps that ran "
+            f"(global batch {int(trainer.data_loader.global_batch_size):,d} tokens at the end). A "
+            "CheckpointerCallback saved that step; the same command resumes from it, at that batch and LR.",
+        )
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -195,6 +195,61 @@ def test_the_same_plan_in_olmo_cores_batch_size_scheduler_runs_the_same_batches_
         assert mine["lr"] == pytest.approx(ref["lr"], rel=1e-12), mine["step"]
 
 
+def test_growth_neither_skips_nor_repeats_data(grown, tmp_path):
+    """The grown run's sequences, in order, are the constant-batch run's on the same tokens."""
+    rec = ow.recorder()
+    constant = GROW_AT + 2 * (STEPS - GROW_AT)  # steps of 4 sequences holding the grown run's 56
+    trainer = ow.build_trainer(grown["work"], callbacks={"rec": rec}, steps=constant,
+                               save_folder=str(tmp_path / "constant"))
+    trainer.fit()
+    ours = torch.cat([s["input_ids"] for s in grown["steps"]])
+    theirs = torch.cat([s["input_ids"] for s in rec.steps])
+    assert ours.shape == theirs.shape == (GROW_AT * 4 + (STEPS - GROW_AT) * 8, ow.SEQ)
+    assert torch.equal(ours, theirs)
+    assert grown["tracked"][-1][0].tokens_seen == theirs.numel() * ow.LOSS_TOKENS / ow.SEQ
+
+
+def test_a_run_stopped_short_of_its_budget_warns_once_saying_how_much(tmp_path, caplog):
+    """SIGTERM (a ``timeout``, a preemption): OLMo-core cancels at its next check and ``fit()`` returns normally.
+
+    The truths: the tokens of the batches that ran (as recorded), and the same plan run to its end.
+    """
+    import logging
+    import signal
+
+    from olmo_core.train.callbacks import Callback
+
+    from cbs_tracker import CBSOlmoCallback
+
+    class Terminate(Callback):
+        def post_step(self) -> None:
+            if self.trainer.global_step == GROW_AT + 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    planned = GROW_AT * 4 * ow.SEQ + (STEPS - GROW_AT) * 8 * ow.SEQ  # the grown plan's tokens in 10 steps
+    runs = {}
+    for name, extra in (("stopped", {"term": Terminate()}), ("whole", {})):
+        cbs, rec = CBSOlmoCallback(controller=_schedule()), ow.recorder()
+        trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": cbs, "rec": rec, **extra}, tokens=planned,
+                                   save_folder=str(tmp_path / name))
+        trainer.cancel_check_interval = 4
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cbs_tracker"):
+            trainer.fit()
+        runs[name] = (trainer, cbs, rec, [r.getMessage() for r in caplog.records if "planned" in r.getMessage()])
+    trainer, cbs, rec, warned = runs["whole"]
+    assert trainer.global_train_tokens_seen == sum(s["input_ids"].numel() for s in rec.steps) == planned
+    assert len(rec.steps) == STEPS and warned == []
+    trainer, cbs, rec, warned = runs["stopped"]
+    ran = sum(s["input_ids"].numel() for s in rec.steps)  # the tokens of the batches that ran
+    assert len(rec.steps) == 8 and trainer.global_train_tokens_seen == ran == GROW_AT * 4 * ow.SEQ + 2 * 8 * ow.SEQ
+    assert cbs.last_record.tokens_seen == ran * ow.LOSS_TOKENS / ow.SEQ
+    assert len(warned) == 1, warned
+    assert f"step 8 after {ran:,d} of its planned {planned:,d} tokens" in warned[0]
+    assert f"{planned - ran:,d} tokens short" in warned[0] and "SIGTERM" in warned[0]
+    assert f"{ran * ow.LOSS_TOKENS / ow.SEQ:,.0f} loss tokens" in warned[0]
+
+
 # ---------------------------------------------------------------------------- errors
 def _build_error(tmp_path: Path, **kwargs: Any) -> str:
     with pytest.raises((RuntimeError, ValueError, TypeError)) as info:
