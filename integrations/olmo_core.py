@@ -156,6 +156,7 @@ class CBSOlmoCallback(Callback):
         self._window: tuple[Any, WindowFaults, int] | None = None
         self._warned_divide: set[int] = set()
         self._warned_stop = False
+        self._warned_steps = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -386,6 +387,16 @@ class CBSOlmoCallback(Callback):
             return  # OLMo-core would duplicate or skip data: wait for a batch it allows
         session.apply_pending()
         loader.global_batch_size = new * self._micro_tokens * session.dp_degree
+        duration = self.trainer.max_duration
+        if new > current and not self._warned_steps and str(duration.unit).split(".")[-1] == "steps":
+            self._warned_steps = True
+            log.warning(
+                f"CBSOlmoCallback: max_duration={duration} counts optimizer steps, and from step "
+                f"{self.trainer.global_step} each step holds {new / session.starting_accumulation:g}x the starting "
+                "batch's tokens, so the run will train on more tokens than its plan of steps at the starting batch. "
+                "To stop on the data, give max_duration=Duration.tokens(...) (the steps times the starting "
+                "global_batch_size)."
+            )
         self.applied_changes.append((int(self.trainer.global_step), int(loader.global_batch_size)))
         log.info(
             f"CBSOlmoCallback step {self.trainer.global_step}: global_batch_size -> {loader.global_batch_size:,d} "

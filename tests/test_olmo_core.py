@@ -332,3 +332,27 @@ def test_two_ranks_grow_alike_and_measure_what_one_process_measures(two_ranks, g
 def test_an_async_checkpointer_on_gloo_is_refused_before_it_hangs(two_ranks):
     for rank in two_ranks["async_gloo"]:
         assert rank["error"] is not None and "save_async=False" in rank["error"], rank
+
+
+def test_growth_under_a_duration_in_steps_warns_once_that_the_run_trains_more_tokens(tmp_path, caplog):
+    """A plan of optimizer steps runs past its data once steps hold more tokens; a plan in tokens does not."""
+    import logging
+
+    from cbs_tracker import CBSOlmoCallback
+
+    warned = {}
+    for name, kwargs in (("steps", {"steps": STEPS}), ("tokens", {"tokens": STEPS * 4 * ow.SEQ})):
+        rec = ow.recorder()
+        trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": CBSOlmoCallback(controller=_schedule()),
+                                                             "rec": rec}, save_folder=str(tmp_path / name), **kwargs)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cbs_tracker"):
+            trainer.fit()
+        trained = sum(s["input_ids"].numel() for s in rec.steps)
+        warned[name] = ([r.getMessage() for r in caplog.records if "counts optimizer steps" in r.getMessage()],
+                        trained)
+    messages, trained = warned["steps"]
+    assert trained > STEPS * 4 * ow.SEQ  # the truth: more tokens than the plan's steps at the starting batch
+    assert len(messages) == 1 and "Duration.tokens" in messages[0] and "2x the starting batch" in messages[0]
+    messages, trained = warned["tokens"]
+    assert messages == [] and trained == STEPS * 4 * ow.SEQ
