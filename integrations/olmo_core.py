@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from typing import Any
 
 import torch

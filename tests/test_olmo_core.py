@@ -93,7 +93,7 @@ def _sq(grads: dict[str, torch.Tensor]) -> float:
 def test_each_step_gradient_and_norms_match_a_float64_recomputation(grown):
     """Each step's gradient is the token mean over every microbatch that ran; the measured norms are the float64 ones."""
     checked = 0
-    for step, (record, stats) in zip(grown["steps"], grown["tracked"]):
+    for step, (_record, stats) in zip(grown["steps"], grown["tracked"]):
         ids = step["input_ids"]
         model = _model64(step["weights"])
         whole = _grads64(model, ids, ids.shape[0] * ow.LOSS_TOKENS)
