@@ -210,7 +210,7 @@ def kappa_table(pts: list[dict[str, Any]], root: Path = ROOT / "docs") -> str:
         ok = [p for p in pts if p["setting"] == setting and p["schedule"] == "cosine" and p["delta_mean"] <= 0]
         best = max(ok, key=lambda p: p["steps_saved"], default=None)
         best_text = "" if best is None else (f"{best['rule']}: {best['delta_mean']:+.4f}, {best['steps_saved']:.0%} "
-                                             f"fewer steps ({len(best['seeds'])} seeds)")
+                                             f"fewer steps ({len(best['seeds'])} seed{'s' if len(best['seeds']) > 1 else ''})")
 
         def cell(point: dict[str, Any]) -> str:
             c = point["critical"]
