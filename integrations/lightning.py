@@ -132,32 +132,9 @@ class CBSCallback(Callback):
                 f"CBSCallback(max_microbatch={max_microbatch!r}): must be None or an integer >= 1 (sequences per "
                 "microbatch and rank; the train DataLoader must be a CBSDataLoader)"
             )
-        if not isinstance(observe_only, bool):
-            raise TypeError(f"CBSCallback(observe_only={observe_only!r}): expected True or False")
-        if isinstance(controller, type):
-            raise TypeError(
-                f"CBSCallback(controller={controller.__name__}): pass an instance, e.g. "
-                f"controller={controller.__name__}(), not the class"
-            )
-        if isinstance(controller, str):
-            if controller != "auto":
-                raise ValueError(
-                    f"CBSCallback(controller={controller!r}): expected 'auto', None or a BatchSizeController"
-                )
-            from cbs_tracker.policy.controller import BatchSizeController
+        from cbs_tracker.policy.controller import adapter_controller
 
-            controller = BatchSizeController(observe_only=observe_only)
-        elif controller is not None:
-            if not all(callable(getattr(controller, m, None)) for m in ("update", "state_dict", "load_state_dict")):
-                raise TypeError(
-                    f"CBSCallback(controller={type(controller).__name__}): expected 'auto', None or a "
-                    "BatchSizeController (an object with update(...), state_dict() and load_state_dict())"
-                )
-            if observe_only and not getattr(controller, "observe_only", False):
-                raise ValueError(
-                    "CBSCallback(controller=<BatchSizeController>, observe_only=True): pass "
-                    "BatchSizeController(observe_only=True) (or controller=None) instead"
-                )
+        controller = adapter_controller("CBSCallback", controller, observe_only)
         if batch_size_fn is not None and not callable(batch_size_fn):
             raise TypeError(
                 f"CBSCallback(batch_size_fn={batch_size_fn!r}): expected a function batch -> units, or None"

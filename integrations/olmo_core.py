@@ -96,33 +96,9 @@ class CBSOlmoCallback(Callback):
         measure_target: float = 0.01,
     ) -> None:
         owner = "CBSOlmoCallback"
-        if not isinstance(observe_only, bool):
-            raise TypeError(f"{owner}(observe_only={observe_only!r}): expected True or False")
-        if isinstance(controller, type):
-            raise TypeError(
-                f"{owner}(controller={controller.__name__}): pass an instance, e.g. "
-                f"controller={controller.__name__}(), not the class"
-            )
-        if isinstance(controller, str):
-            if controller != "auto":
-                raise ValueError(
-                    f"{owner}(controller={controller!r}): expected 'auto', None, a BatchSizeController "
-                    "or a BatchSchedule"
-                )
-            from cbs_tracker.policy.controller import BatchSizeController
+        from cbs_tracker.policy.controller import adapter_controller
 
-            controller = BatchSizeController(observe_only=observe_only)
-        elif controller is not None:
-            if not all(callable(getattr(controller, m, None)) for m in ("update", "state_dict", "load_state_dict")):
-                raise TypeError(
-                    f"{owner}(controller={type(controller).__name__}): expected 'auto', None, a "
-                    "BatchSizeController or a BatchSchedule"
-                )
-            if observe_only and not getattr(controller, "observe_only", False):
-                raise ValueError(
-                    f"{owner}(controller=<{type(controller).__name__}>, observe_only=True): pass a controller "
-                    "built with observe_only=True (or controller=None) instead"
-                )
+        controller = adapter_controller(owner, controller, observe_only)
         if lr_coupling not in COUPLINGS:
             raise ValueError(f"{owner}(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)}")
         if isinstance(estimator, type) or (estimator is not None and not callable(getattr(estimator, "update", None))):

@@ -138,14 +138,9 @@ class CBSTrainer(Trainer):
                 "counters assume that size, so a larger microbatch could not be exact. CBSTrainer grows "
                 "gradient_accumulation_steps; to grow the microbatch, write the loop with CBSTracker(max_microbatch=...)"
             )
-        if not isinstance(observe_only, bool):
-            raise TypeError(f"CBSTrainer(observe_only={observe_only!r}): expected True or False")
-        if isinstance(controller, str):
-            if controller != "auto":
-                raise ValueError(f"CBSTrainer(controller={controller!r}): expected 'auto', None or a BatchSizeController")
-            from cbs_tracker.policy.controller import BatchSizeController
+        from cbs_tracker.policy.controller import adapter_controller
 
-            controller = BatchSizeController(observe_only=observe_only)
+        controller = adapter_controller("CBSTrainer", controller, observe_only)
         if getattr(controller, "allow_shrink", False):
             raise ValueError(
                 f"CBSTrainer(controller={type(controller).__name__}(...)): it may shrink the batch (allow_shrink=True, or a "

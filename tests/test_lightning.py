@@ -572,8 +572,8 @@ def test_bad_batch_size_fn_result_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"controller": "always"}, ValueError, r"CBSCallback\(controller='always'\): expected 'auto', None or a BatchSizeController"),
-        ({"controller": object()}, TypeError, r"CBSCallback\(controller=object\): expected 'auto', None or a BatchSizeController"),
+        ({"controller": "always"}, ValueError, r"CBSCallback\(controller='always'\): expected 'auto', None, a BatchSizeController or a BatchSchedule"),
+        ({"controller": object()}, TypeError, r"CBSCallback\(controller=object\): expected 'auto', None, a BatchSizeController or a BatchSchedule"),
         ({"controller": BatchSizeController(), "observe_only": True}, ValueError,
          r"observe_only=True\): pass BatchSizeController\(observe_only=True\)"),
         ({"observe_only": 1}, TypeError, r"CBSCallback\(observe_only=1\): expected True or False"),

@@ -546,3 +546,42 @@ def test_a_pipeline_stage_or_schedule_is_refused_with_the_reason(tmp_path):
                     cls(model, torch.optim.SGD(module.parameters(), lr=0.1), accumulation_steps=2)
     finally:
         dist.destroy_process_group()
+
+
+def _adapter(name: str):
+    if name == "CBSCallback":
+        return CBSCallback
+    if name == "CBSTrainer":
+        return pytest.importorskip("integrations.transformers").CBSTrainer
+    return pytest.importorskip("integrations.olmo_core").CBSOlmoCallback
+
+
+@pytest.mark.parametrize("adapter", ["CBSCallback", "CBSTrainer", "CBSOlmoCallback"])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"controller": "always"}, ValueError, r"\(controller='always'\): expected 'auto', None, a BatchSizeController"),
+        ({"controller": BatchSizeController}, TypeError, r"\(controller=BatchSizeController\): pass an instance"),
+        ({"controller": object()}, TypeError, r"\(controller=object\): expected 'auto', None, a BatchSizeController"),
+        ({"controller": BatchSizeController(), "observe_only": True}, ValueError,
+         r"\(controller=<BatchSizeController>, observe_only=True\): pass BatchSizeController\(observe_only=True\)"),
+        ({"observe_only": "yes"}, TypeError, r"\(observe_only='yes'\): expected True or False"),
+    ],
+)
+def test_every_adapter_checks_its_controller_the_same_way(adapter, kwargs, error, match):
+    """The three adapters that take ``controller="auto"`` refuse the same mistakes with the same words
+    (a class for an instance, an object that is no controller, ``observe_only`` that would be ignored),
+    each message naming the adapter."""
+    cls = _adapter(adapter)
+    with pytest.raises(error, match=rf"^{adapter}{match}"):
+        cls(**kwargs)
+
+
+def test_auto_builds_an_observing_controller_when_asked():
+    from cbs_tracker.policy.controller import adapter_controller
+
+    built = adapter_controller("X", "auto", True)
+    assert isinstance(built, BatchSizeController) and built.observe_only
+    assert adapter_controller("X", None, True) is None
+    mine = BatchSizeController(kappa=0.4)
+    assert adapter_controller("X", mine, False) is mine

@@ -700,3 +700,44 @@ class BatchSizeController:
                 f"BatchSizeController.update(tokens_seen={tokens_seen!r}): tokens_seen went back "
                 f"(last was {self._level.last_tokens!r})"
             )
+
+
+def adapter_controller(owner: str, controller: Any, observe_only: bool) -> Any:
+    """The controller an adapter's ``controller=`` and ``observe_only=`` arguments ask for.
+
+    ``"auto"`` builds ``BatchSizeController(observe_only=observe_only)``; ``None`` measures only;
+    anything else must be an instance with ``update``, ``state_dict`` and ``load_state_dict`` (a
+    ``BatchSizeController``, a ``BatchSchedule`` or one of the user's own), built with
+    ``observe_only=True`` when ``observe_only`` is asked for. ``owner`` names the adapter in errors.
+
+    Raises:
+        TypeError: ``observe_only`` not a bool; a class instead of an instance; an object without
+            those three methods.
+        ValueError: a string other than ``"auto"``; ``observe_only=True`` with a controller that
+            would change the batch.
+    """
+    expected = "expected 'auto', None, a BatchSizeController or a BatchSchedule"
+    if not isinstance(observe_only, bool):
+        raise TypeError(f"{owner}(observe_only={observe_only!r}): expected True or False")
+    if isinstance(controller, type):
+        raise TypeError(
+            f"{owner}(controller={controller.__name__}): pass an instance, e.g. "
+            f"controller={controller.__name__}(), not the class"
+        )
+    if isinstance(controller, str):
+        if controller != "auto":
+            raise ValueError(f"{owner}(controller={controller!r}): {expected}")
+        return BatchSizeController(observe_only=observe_only)
+    if controller is None:
+        return None
+    if not all(callable(getattr(controller, m, None)) for m in ("update", "state_dict", "load_state_dict")):
+        raise TypeError(
+            f"{owner}(controller={type(controller).__name__}): {expected} (an object with update(...), "
+            "state_dict() and load_state_dict())"
+        )
+    if observe_only and not getattr(controller, "observe_only", False):
+        raise ValueError(
+            f"{owner}(controller=<{type(controller).__name__}>, observe_only=True): pass "
+            f"{type(controller).__name__}(observe_only=True) (or controller=None) instead"
+        )
+    return controller
