@@ -141,11 +141,9 @@ def table(pts: list[dict[str, Any]]) -> str:
     for p in pts:
         upper = "" if p["delta_upper90"] is None else f"{p['delta_upper90']:+.4f}"
         lo, hi = p["steps_saved_range"]
+        branches = f" {p['branch_tokens'] / 1e6:.1f}M" if p["branch_tokens"] else ""
         lines.append(f"| {p['setting']} | {p['schedule']} | {p['rule']} | {','.join(map(str, p['seeds']))} | "
-                     f"{p['delta_mean']:+.4f} | {upper} | {p['steps_saved']:.0%} ({lo:.0%}–{hi:.0%}) | "
-                     f"{p['branch_tokens'] / 1e6:.1f}M |" if p["branch_tokens"] else
-                     f"| {p['setting']} | {p['schedule']} | {p['rule']} | {','.join(map(str, p['seeds']))} | "
-                     f"{p['delta_mean']:+.4f} | {upper} | {p['steps_saved']:.0%} ({lo:.0%}–{hi:.0%}) | |")
+                     f"{p['delta_mean']:+.4f} | {upper} | {p['steps_saved']:.0%} ({lo:.0%}–{hi:.0%}) |{branches} |")
     return "\n".join(lines) + "\n"
 
 

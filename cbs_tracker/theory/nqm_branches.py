@@ -123,11 +123,11 @@ def branch_study(config: NQMConfig | None = None, *, budget: float = 4e5, batch:
         start_loss = 0.5 * float(h @ v)
         rest = budget - t0
 
-        def run(k: float, samples: float, cool: float) -> float:
+        def run(k: float, samples: float, cool: float, start: np.ndarray = v, at: float = t0) -> float:
             steps = int(samples // (k * batch))
-            factors = branch_lr_factors(steps, step_units=k * batch, tokens=t0, lr_mult=coupling_factor(coupling, k),
+            factors = branch_lr_factors(steps, step_units=k * batch, tokens=at, lr_mult=coupling_factor(coupling, k),
                                         lr_schedule=sched, cooldown=cool, cooldown_shape=cooldown_shape)
-            return 0.5 * float(h @ _advance(model, v, [model.lr * f for f in factors], k * batch))
+            return 0.5 * float(h @ _advance(model, start, [model.lr * f for f in factors], k * batch))
 
         final = {k * batch: run(k, rest, 0.0) for k in multiples}
         uncooled = {k * batch: run(k, branch_share * rest, 0.0) for k in multiples}
