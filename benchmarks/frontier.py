@@ -58,6 +58,8 @@ RULES = {
     "seesaw": "seesaw",
     "kappa0.4+convert": "tracker_kappa04_convert",
     "kappa0.5+convert": "tracker_convert",
+    "kappa0.4-0.8+convert": "tracker_kappa04_08_convert",
+    "kappa0.4-1.2+convert": "tracker_kappa04_12_convert",
     "measured": "tracker_measured",
     "cooled": "tracker_cooled",
     "hand_ramp": "hand_ramp",

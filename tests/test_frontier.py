@@ -75,6 +75,22 @@ def test_a_tiny_frontier_runs_end_to_end_and_seesaw_doubles_where_the_lr_has_hal
     assert not (tmp_path / "runs2" / "runs").exists()
 
 
+@pytest.mark.parametrize("rule", ["kappa0.4-0.8+convert", "kappa0.4-1.2+convert"])
+def test_a_rising_kappa_rule_interpolates_over_the_budget_and_converts(frontier, rule):
+    """``kappaA-B+convert``: ``kappa`` A at the first token, B at the budget's end, linear in tokens between
+    (half-way at half the budget), with the LR-decay conversion on."""
+    first, last = (float(x) for x in rule.removeprefix("kappa").removesuffix("+convert").split("-"))
+    setting = frontier.base.SETTINGS["full"]
+    run = frontier.proof_lr.Run(frontier.RULES[rule], 0, "cosine")
+    controller = frontier.proof_lr.make_controller(run, setting)
+    schedule = controller.kappa_schedule
+    budget = setting.budget_tokens
+    assert schedule.value_at(0) == pytest.approx(first)
+    assert schedule.value_at(budget / 2) == pytest.approx((first + last) / 2)
+    assert schedule.value_at(budget) == pytest.approx(last)
+    assert controller.convert_lr_decay
+
+
 def test_unknown_rules_are_refused_naming_the_choices(frontier, capsys):
     with pytest.raises(SystemExit):
         frontier.main(["--rules", "constant,kappa9"])
