@@ -225,3 +225,57 @@ def test_plain_loop_counts_arrive_without_a_wait_in_an_unmeasured_window(monkeyp
     assert per_window == [0, 0, 0, 2, 0, 0, 2, 0, 0], per_window
     assert_same(lrs_dev, lrs_host)
     assert_same(records_dev, records_host)  # reading the last two records' units waits for them
+
+
+def test_plain_loop_what_needs_the_units_at_once_waits_for_them(monkeypatch):
+    """Counts still on their way (the copy never finishes by itself): the tokens a stop, a checkpoint, a
+    pickle of the record or tracker.tokens_seen read are exact, each waiting for the copy first."""
+    import pickle
+
+    from cbs_tracker.core.collector import HostCopy
+
+    host, records_host, _, _ = _plain_loop(5, every=3)  # windows 3 and 4 not measured
+    _device_path(monkeypatch)
+    monkeypatch.setattr(HostCopy, "ready", lambda self: False)
+    dev, records_dev, _, _ = _plain_loop(5, every=3)
+    assert "_tokens" in vars(records_dev[-1])  # still on its way
+    assert pickle.loads(pickle.dumps(records_dev[-1])) == records_host[-1]
+    assert "_tokens" not in vars(records_dev[-1])
+    _, records_dev, _, _ = _plain_loop(5, every=3)
+    assert dev.state_dict()["tokens_seen"] == host.state_dict()["tokens_seen"]
+    dev2, _, _, _ = _plain_loop(5, every=3)
+    assert dev2.done(tokens=host.tokens_seen)
+    dev3, _, _, _ = _plain_loop(5, every=3)
+    assert not dev3.done(tokens=host.tokens_seen + 1)
+    assert dev3.tokens_seen == host.tokens_seen and dev3.last_stats == host.last_stats
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's synchronisation debug mode needs a CUDA GPU")
+def test_plain_loop_unmeasured_window_does_not_synchronise_on_cuda():
+    """On a CUDA GPU: with torch.cuda.set_sync_debug_mode('error'), a window not measured with labels= (its
+    microbatches and its step()) runs without a synchronising call."""
+    from cbs_tracker import CBSTracker
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(DIM, 1).to(device)
+    tracker = CBSTracker(model, accumulation_steps=ACC, unit="tokens", measure_every=4)
+    x, target, labels = (t.to(device) for t in _token_data(8))
+    i = 0
+    for s in range(8):
+        unmeasured = s % 4 != 0
+        for _ in range(ACC):
+            y = labels[i : i + MICRO].clone()
+            torch.cuda.set_sync_debug_mode("error" if unmeasured else "default")
+            try:
+                with tracker.microbatch(labels=y):
+                    mask = (y != -100).to(x.dtype)
+                    err = model(x[i : i + MICRO]).squeeze(-1) - target[i : i + MICRO]
+                    (0.5 * (err.pow(2) * mask).sum() / (ACC * MICRO * LENGTH)).backward()
+                record = tracker.step() if _ == ACC - 1 else None
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            i += MICRO
+        assert record is not None and record.measured == (not unmeasured)
+        model.zero_grad(set_to_none=True)
+    assert tracker.tokens_seen == float((labels[:i] != -100).sum())
