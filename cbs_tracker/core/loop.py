@@ -403,7 +403,8 @@ class LoopTracker:
 
     @property
     def tokens_seen(self) -> float:
-        """Units (see :attr:`unit`) consumed by all DP ranks so far."""
+        """Units (see :attr:`unit`) consumed by all DP ranks so far (exact: label counts still on their way
+        to the host, from a window not measured, are waited for)."""
         return self.session.units_seen
 
     @property
@@ -436,7 +437,10 @@ class LoopTracker:
         :attr:`microbatches_seen`); ``tokens``, units of all ranks (:attr:`tokens_seen`). The
         counts move at :meth:`step` only (a window's microbatches count once it is stepped), so
         a loop that checks it after every batch stops right after the optimizer step that
-        reached the budget, within one window of the constant-batch run's data.
+        reached the budget, within one window of the constant-batch run's data. ``tokens``
+        waits for label counts still on their way to the host (a window not measured on an
+        accelerator); ``steps`` and ``microbatches`` never wait. When it returns ``True``, the
+        records still waiting for their counts are filled and logged.
 
         Raises:
             TypeError: none or several of the three given.
@@ -499,6 +503,9 @@ class LoopTracker:
                 ``labels != ignore_index`` (on the device). In a window the cadence does
                 not measure they are counted at :meth:`step` (no operator per microbatch):
                 labels changed in place before then are counted as they are, with a warning.
+                On one rank and a CUDA device that :meth:`step` does not wait for the count:
+                it reaches the host behind an event, and the record's unit fields are filled
+                (and the record logged) when it has arrived; reading them first waits.
 
         Raises:
             TypeError: neither or both of ``size`` and ``labels``; a bool or a tensor of
