@@ -9,6 +9,8 @@ told from that floor. Peak memory: two fresh child processes (peak RSS on CPU,
 ``max_memory_allocated`` on CUDA), compared with the size of one copy of the gradients.
 
     python benchmarks/overhead.py [--json]     # 10m-preset GPT by default
+    python benchmarks/overhead.py --device cuda --preset gpt2-small --json   # GPT-2 small: 1,024 context,
+        # 8 x 1,024 = 8,192 tokens per microbatch, 4 microbatches, bf16 autocast, fused AdamW on CUDA
 """
 
 from __future__ import annotations
@@ -26,9 +28,45 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbs_tracker import BatchSizeController, CBSTracker
-from cbs_tracker.core.collector import GradStatsCollector
+from cbs_tracker.core.collector import GradStatsCollector, HostCopy, LabelCount, count_labels
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+
+
+#: per preset, what the run takes unless told: sequence length, sequences per microbatch, microbatches
+#: per step, autocast dtype ("fp32": none). GPT-2's sizes run as they are trained: bf16 autocast, a
+#: microbatch of 8 x 1,024 = 8,192 tokens (--micro-sequences 16 for 16k), and fused AdamW on CUDA.
+PRESET_RUNS = {
+    "gpt2-small": {"seq_len": 1024, "micro_sequences": 8, "accumulation": 4, "dtype": "bf16"},
+    "gpt2-medium": {"seq_len": 1024, "micro_sequences": 8, "accumulation": 4, "dtype": "bf16"},
+}
+_DEFAULT_RUN = {"seq_len": 256, "micro_sequences": 8, "accumulation": 2, "dtype": "fp32"}
+
+
+def resolve_run(args) -> None:
+    """Fill what the command line left unset from the preset's run (``PRESET_RUNS``), and the optimizer:
+    fused AdamW with ``--fused-adamw auto`` on CUDA for the GPT-2 presets."""
+    run = PRESET_RUNS.get(args.preset, _DEFAULT_RUN)
+    for key, value in run.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    fused = getattr(args, "fused_adamw", "auto")
+    args.fused = fused == "on" or (fused == "auto" and args.device.startswith("cuda") and args.preset in PRESET_RUNS)
+    if args.fused and not args.device.startswith("cuda"):
+        raise SystemExit(f"overhead.py: --fused-adamw on needs --device cuda, not {args.device!r}")
+
+
+def _autocast(args):
+    """bf16 autocast around the forward (``--dtype bf16``), else nothing."""
+    if getattr(args, "dtype", "fp32") == "bf16":
+        return torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16)
+    return _null()
+
+
+def _loss(model, x, y, args):
+    with _autocast(args):
+        _, loss = model(x, y)
+    return loss
 
 
 def _setup(args):
@@ -36,6 +74,8 @@ def _setup(args):
     config = GPTConfig.preset(args.preset, context_length=args.seq_len)
     model = GPT(config).to(args.device)
     optimizer = make_adamw(model, lr=1e-3, weight_decay=0.1)
+    if getattr(args, "fused", False):
+        optimizer = torch.optim.AdamW(optimizer.param_groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     corpus = load_corpus(max_bytes=4_000_000)
     stream = SequenceStream(corpus.train, seq_len=args.seq_len, seed=0)
     return model, optimizer, stream
@@ -67,7 +107,7 @@ def _step(model, optimizer, stream, args, tracker=None, phase=None, cpu_times=No
     for x, y in batches:
         ctx = _open(tracker, y, args) if tracker is not None else _null()
         with ctx:
-            _, loss = model(x, y)
+            loss = _loss(model, x, y, args)
             (loss / args.accumulation).backward()
         if norms_only:
             _norm_pass(model.parameters())
@@ -241,7 +281,7 @@ def attribute(model, optimizer, stream, args, tracker) -> dict:
                 else:
                     floor_counter.enter(y if _by_labels(args) else y.numel())
                     counted += time.perf_counter() - a
-                _, loss = model(x, y)
+                loss = _loss(model, x, y, args)
                 b = time.perf_counter()
                 (loss / args.accumulation).backward()
                 _sync(args)  # (the backward's kernels are not charged to the first timed work after it)
@@ -297,14 +337,30 @@ class _CounterFloor:
     microbatches, the tokens of ``labels=`` counted at the step as the tracker counts them there, and a count
     of steps. No tracker: the floor its unmeasured window is held against. On the CPU each label tensor is read
     as it is (int64 labels: one ``min()`` above the ignore index while the last ones counted had none ignored,
-    the count then being their size; else the labels not ignored); on an accelerator all are counted and read
-    in one copy."""
+    the count then being their size; else the labels not ignored); on an accelerator all are counted on the
+    device and copied to the host without a wait, read at the next step (as the tracker's window not measured
+    takes them; :attr:`tokens` waits for the last copy)."""
 
     def __init__(self, ignore_index: int = -100) -> None:
         self.ignore_index = ignore_index
         self.labels: list[torch.Tensor] = []
-        self.microbatches = self.tokens = self.steps = 0
+        self.microbatches = self._tokens = self.steps = 0
         self.dense = True  # the last labels counted had none ignored
+        self._copies: list[HostCopy] = []  # the steps' counts on their way to the host, oldest first
+
+    @property
+    def tokens(self) -> int:
+        self._take()
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self._tokens = value
+
+    def _take(self, ready_only: bool = False) -> None:
+        copies = self._copies
+        while copies and (not ready_only or copies[0].ready()):
+            self._tokens += int(sum(copies.pop(0).sizes()))
 
     def enter(self, labels: torch.Tensor | int) -> None:
         if isinstance(labels, torch.Tensor):
@@ -327,7 +383,9 @@ class _CounterFloor:
                     self.dense = counted == n
                     self.tokens += counted
         elif self.labels:
-            self.tokens += int(sum(torch.stack([y.ne(ignore).count_nonzero() for y in self.labels]).tolist()))
+            self._take(ready_only=True)
+            items = [LabelCount(y, ignore) for y in self.labels]
+            self._copies.append(HostCopy(count_labels(items), [None] * len(items)))
         self.labels.clear()
         self.steps += 1
 
@@ -380,10 +438,16 @@ def _memory_child(args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="10m", help="GPT preset (default '10m', ~10.8M parameters)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-sequences", type=int, default=8, help="sequences per microbatch (8 x 256 = 2,048 tokens)")
-    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--preset", default="10m", choices=["demo", "10m", "gpt2-small", "gpt2-medium"],
+                   help="GPT preset (default '10m', ~10.8M parameters; 'gpt2-small' 124M, 'gpt2-medium' 355M)")
+    p.add_argument("--seq-len", type=int, default=None, help="default 256 (GPT-2 presets: 1,024)")
+    p.add_argument("--micro-sequences", type=int, default=None,
+                   help="sequences per microbatch (default 8: 8 x 256 = 2,048 tokens; GPT-2 presets 8 x 1,024)")
+    p.add_argument("--accumulation", type=int, default=None, help="microbatches per step (default 2; GPT-2 presets 4)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                   help="bf16: the forward under bf16 autocast (default fp32; GPT-2 presets bf16)")
+    p.add_argument("--fused-adamw", choices=["auto", "on", "off"], default="auto",
+                   help="fused AdamW ('auto': on CUDA with the GPT-2 presets)")
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (each: steps without, steps with)")
     p.add_argument("--steps-per-round", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each variant first")
@@ -403,6 +467,7 @@ def main() -> int:
                         "size= a host number")
     p.add_argument("--child", choices=["plain", "tracker"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    resolve_run(args)
     torch.set_num_threads(args.threads)
     if args.child:
         return _memory_child(args)
@@ -410,8 +475,9 @@ def main() -> int:
     model, optimizer, stream = _setup(args)
     n_params = sum(p.numel() for p in model.parameters())
     tokens = args.micro_sequences * args.seq_len
-    print(f"model: {n_params / 1e6:.1f}M parameters, microbatch {tokens} tokens, accumulation {args.accumulation}, "
-          f"{args.threads} thread(s), device {args.device}, sizes as {args.sizes}")
+    print(f"model: {n_params / 1e6:.1f}M parameters ({args.preset}), microbatch {tokens} tokens, accumulation "
+          f"{args.accumulation}, {args.dtype}{', fused AdamW' if args.fused else ''}, {args.threads} thread(s), "
+          f"device {args.device}, sizes as {args.sizes}")
     tracker = _make_tracker(model, optimizer, args)
     tracker.remove_hooks()
     ops = count_ops(model, optimizer, stream, args, tracker)
@@ -542,7 +608,9 @@ def main() -> int:
                         else None}
         if args.tracker_clip:
             extra_ratios["tracker_clip_ratio"] = round(ratios["tracker_clip"], 4)
-        print(json.dumps({"measure_every": args.measure_every, "sizes": args.sizes,
+        print(json.dumps({"preset": args.preset, "parameters": n_params, "tokens_per_microbatch": tokens,
+                          "accumulation": args.accumulation, "dtype": args.dtype, "fused_adamw": args.fused,
+                          "device": args.device, "measure_every": args.measure_every, "sizes": args.sizes,
                           "measured_one_in": tracker.session.cadence.every,
                           "step_time_ratio": round(ratio, 4), "paired_ratio_median": round(q[1], 4),
                           "paired_ratio_quartiles": [round(q[0], 4), round(q[2], 4)], **extra_ratios,
@@ -558,7 +626,7 @@ def _forward(args) -> list[str]:
     return ["--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-sequences", str(args.micro_sequences),
             "--accumulation", str(args.accumulation), "--memory-steps", str(args.memory_steps),
             "--threads", str(args.threads), "--device", args.device, "--measure-every", args.measure_every,
-            "--sizes", args.sizes]
+            "--sizes", args.sizes, "--dtype", args.dtype, "--fused-adamw", "on" if args.fused else "off"]
 
 
 if __name__ == "__main__":

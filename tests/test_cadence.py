@@ -275,7 +275,8 @@ def test_bad_cadence_arguments_are_refused(kwargs, match):
 
 def test_a_step_on_the_accelerator_path_reads_the_host_once(monkeypatch):
     """A CPU stand-in for CUDA's sync debug mode: inside ``step()`` on the device path, count every
-    tensor-to-host read (``item``, ``float``, ``bool``, ``int``, ``tolist``): one, the reduced vector."""
+    tensor-to-host read (``item``, ``float``, ``bool``, ``int``, ``tolist``): one in a measured window, the
+    reduced vector; none in a window not measured (``tests/test_host_reads.py`` has the whole window)."""
     from torch.overrides import TorchFunctionMode
 
     reads = []
@@ -306,8 +307,9 @@ def test_a_step_on_the_accelerator_path_reads_the_host_once(monkeypatch):
                     scaler.scale(loss).backward()
             reads.clear()
             with Count():
-                tracker.step()
-            assert reads == ["tolist"], (every, s, reads)
+                record = tracker.step()
+            # a window not measured reads nothing: its label counts reach the host later
+            assert reads == (["tolist"] if record.measured else []), (every, s, reads)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)

@@ -405,7 +405,7 @@ def test_gpt_config_keyword_only_presets_and_forward_errors() -> None:
     assert GPTConfig.preset("10m", context_length=512).context_length == 512
     with pytest.raises(
         ValueError,
-        match=r"GPTConfig.preset: name='huge' is not allowed; choose one of \['10m', 'demo'\]",
+        match=r"GPTConfig.preset: name='huge' is not allowed; choose one of \['10m', 'demo', 'gpt2-medium', 'gpt2-small'\]",
     ):
         GPTConfig.preset("huge")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"GPT: config must be a GPTConfig, got dict"):
@@ -419,3 +419,16 @@ def test_gpt_config_keyword_only_presets_and_forward_errors() -> None:
         ValueError, match=r"GPT.forward: targets shape \(1, 4\) differs from idx shape \(1, 8\)"
     ):
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_gpt2_presets_have_gpt2s_parameter_counts_without_being_built() -> None:
+    """The count from the shape is the built model's (every preset small enough to build here, and GPT-2's
+    shapes with one layer and a small vocabulary); at full size it is GPT-2's published 124M and 350M."""
+    for config in (GPTConfig.preset("demo"), GPTConfig.preset("10m"), GPTConfig(bias=False, tie_weights=False),
+                   GPTConfig.preset("gpt2-small", n_layer=1, vocab_size=300, context_length=64),
+                   GPTConfig.preset("gpt2-medium", n_layer=1, vocab_size=300, context_length=64)):
+        assert config.num_parameters() == GPT(config).num_parameters(), config
+    small, medium = GPTConfig.preset("gpt2-small"), GPTConfig.preset("gpt2-medium")
+    assert (small.n_layer, small.d_model, small.n_head, small.context_length, small.vocab_size) == (12, 768, 12, 1024, 50257)
+    assert (medium.n_layer, medium.d_model, medium.n_head) == (24, 1024, 16)
+    assert small.num_parameters() == 124_439_808 and medium.num_parameters() == 354_823_168

@@ -111,3 +111,36 @@ def test_the_unmeasured_windows_floor_reads_the_host_no_more_often_than_the_trac
     assert floor.tokens == sum(y.numel() for y in labels)
     reads = counter.counts["setup"]["_local_scalar_dense"] + counter.counts["setup"]["_to_copy"]
     assert reads <= 1 and not counter.counts["setup"]["min"]
+
+
+def test_gpt2_presets_run_as_gpt2_is_trained_and_the_benchmark_path_runs_in_bf16():
+    """``--preset gpt2-small``/``gpt2-medium``: context 1,024, 8 x 1,024 tokens per microbatch, bf16 autocast,
+    fused AdamW on CUDA only (and refused elsewhere); the benchmark's step, tracked with a cadence, runs under
+    bf16 autocast on a small preset here (the GPT-2 sizes themselves run on a GPU: scripts/gpu_overhead.sh)."""
+    bench = _overhead_module()
+    for preset in ("gpt2-small", "gpt2-medium"):
+        for device, fused in (("cpu", False), ("cuda", True)):
+            args = argparse.Namespace(preset=preset, device=device, seq_len=None, micro_sequences=None,
+                                      accumulation=None, dtype=None, fused_adamw="auto")
+            bench.resolve_run(args)
+            assert (args.seq_len, args.micro_sequences * args.seq_len, args.dtype, args.fused) == (
+                1024, 8192, "bf16", fused)
+    args = argparse.Namespace(preset="10m", device="cpu", seq_len=None, micro_sequences=None, accumulation=None,
+                              dtype=None, fused_adamw="auto")
+    bench.resolve_run(args)
+    assert (args.seq_len, args.micro_sequences, args.accumulation, args.dtype, args.fused) == (256, 8, 2, "fp32", False)
+    with pytest.raises(SystemExit, match="--fused-adamw on needs --device cuda"):
+        bench.resolve_run(argparse.Namespace(preset="gpt2-small", device="cpu", seq_len=None, micro_sequences=None,
+                                             accumulation=None, dtype=None, fused_adamw="on"))
+    args = argparse.Namespace(preset="demo", device="cpu", seq_len=32, micro_sequences=2, accumulation=2,
+                              dtype="bf16", fused_adamw="auto", measure_every="2", sizes="labels")
+    bench.resolve_run(args)
+    model, optimizer, stream = bench._setup(args)
+    tracker = bench._make_tracker(model, optimizer, args)
+    seen = []
+    for _ in range(3):
+        bench._step(model, optimizer, stream, args, tracker)
+        seen.append(tracker.last_record.measured)
+    assert seen == [True, False, True]
+    assert tracker.tokens_seen == 3 * 2 * 2 * 32
+    assert all(p.dtype is torch.float32 for p in model.parameters())  # autocast: the weights stay fp32

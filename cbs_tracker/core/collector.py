@@ -47,6 +47,66 @@ class LabelCount:
         # (ne and count_nonzero as methods: a little cheaper on the host, where this runs after a backward)
         return self.labels.ne(self.ignore_index).count_nonzero()
 
+class HostCopy:
+    """A window's label counts on their way to the host: counted on the device, copied without a wait.
+
+    On CUDA the int64 counts are copied with ``non_blocking=True`` into pinned host memory and an
+    event is recorded after the copy; :meth:`ready` asks the event (no wait), :meth:`sizes` reads the
+    host memory through a NumPy view (no tensor read), waiting on the event only if the copy has not
+    finished. The stand-in on the CPU (a collector told to read as an accelerator does,
+    ``read_each_on_cpu = False``) copies into host memory at once: ready when made.
+
+    ``template``: the window's sizes in order, a host number where the loop gave one, ``None`` where a
+    count of ``counts`` takes its place.
+    """
+
+    __slots__ = ("_array", "_host", "_event", "_template")
+
+    def __init__(self, counts: torch.Tensor, template: list[float | None]) -> None:
+        import numpy as np
+
+        self._template = template
+        self._event: Any = None
+        if counts.device.type == "cuda":
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._array = host.numpy()  # a view of the pinned memory: read once the event has passed
+        else:
+            self._array = np.empty(counts.shape, dtype=np.int64)
+            host = torch.from_numpy(self._array)
+            host.copy_(counts)
+        self._host = host  # (kept alive until the copy into it has finished)
+
+    def ready(self) -> bool:
+        """The copy has reached the host (never waits)."""
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        """Wait for the copy (a host synchronisation with the device's stream, if it has not finished)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def sizes(self) -> list[float]:
+        """The window's sizes as host floats, in order (waits first unless :meth:`ready`)."""
+        if not self.ready():
+            self.wait()
+        counts = iter(self._array.tolist())
+        return [float(next(counts)) if v is None else v for v in self._template]
+
+
+def count_labels(items: Sequence[LabelCount]) -> torch.Tensor:
+    """``labels != ignore_index`` counted for each of ``items`` on their device, as one int64 vector: three
+    operators for labels of one shape and dtype (stacked), else two per microbatch and a stack."""
+    first = items[0].labels
+    same = all(v.labels.shape == first.shape and v.labels.dtype == first.dtype for v in items)
+    if same and first.numel() > 0:
+        stacked = torch.stack([v.labels for v in items])
+        return stacked.ne(items[0].ignore_index).reshape(len(items), -1).sum(1)
+    return torch.stack([v.count() for v in items])
+
+
 #: Default bucket bound, as a fraction of one copy of the hooked gradients.
 BUCKET_FRACTION = 1 / 8
 #: Default bucket bound in bytes, whatever the model size.
@@ -704,6 +764,34 @@ class GradStatsCollector:
         it = iter(read)
         sizes = [float(next(it)) if isinstance(v, torch.Tensor) else float(v) for v in self._micro_size]
         return sizes, [float(v) for v in it]
+
+    def deferred_sizes(self) -> HostCopy | None:
+        """The window's sizes without a host read, when every one is a host number or ``labels=`` counted
+        on a CUDA device (or on the CPU stand-in, :attr:`read_each_on_cpu` off): the labels counted on the
+        device and copied to the host without a wait (:class:`HostCopy`). ``None`` otherwise (a size given
+        as a tensor is read at once: it may be invalid, and that raises before the optimizer steps)."""
+        items: list[LabelCount] = []
+        template: list[float | None] = []
+        for v in self._micro_size:
+            kind = type(v)
+            if kind is LabelCount:
+                items.append(v)  # type: ignore[arg-type]
+                template.append(None)
+            elif kind is float or kind is int:
+                template.append(float(v))  # type: ignore[arg-type]
+            else:
+                return None
+        if not items:
+            return None
+        device = items[0].labels.device
+        if device.type != "cuda" and not (device.type == "cpu" and not self.read_each_on_cpu):
+            return None
+        if any(v.labels.device != device for v in items):
+            return None
+        for v in items:
+            if v.labels._version != v.version:
+                self.labels_changed += 1
+        return HostCopy(count_labels(items), template)
 
     def _cpu_sizes(self) -> list[float] | None:
         """:meth:`host_sizes` in one loop where every size is a number or lives on the CPU (labels counted

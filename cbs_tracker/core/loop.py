@@ -30,6 +30,7 @@ from cbs_tracker.core.collector import (
 )
 from cbs_tracker.core.measure import (
     LOSS_NORMALIZATIONS,
+    WindowFaults,
     count_sizes,
     reduce_window,
     unscale_and_get_scale,
@@ -402,7 +403,8 @@ class LoopTracker:
 
     @property
     def tokens_seen(self) -> float:
-        """Units (see :attr:`unit`) consumed by all DP ranks so far."""
+        """Units (see :attr:`unit`) consumed by all DP ranks so far (exact: label counts still on their way
+        to the host, from a window not measured, are waited for)."""
         return self.session.units_seen
 
     @property
@@ -435,7 +437,10 @@ class LoopTracker:
         :attr:`microbatches_seen`); ``tokens``, units of all ranks (:attr:`tokens_seen`). The
         counts move at :meth:`step` only (a window's microbatches count once it is stepped), so
         a loop that checks it after every batch stops right after the optimizer step that
-        reached the budget, within one window of the constant-batch run's data.
+        reached the budget, within one window of the constant-batch run's data. ``tokens``
+        waits for label counts still on their way to the host (a window not measured on an
+        accelerator); ``steps`` and ``microbatches`` never wait. When it returns ``True``, the
+        records still waiting for their counts are filled and logged.
 
         Raises:
             TypeError: none or several of the three given.
@@ -462,6 +467,8 @@ class LoopTracker:
         else:
             done = self.session.units_seen >= value
         self._end["done"] = self._end["done"] or done
+        if done and self.session._deferred:  # the run ends: the last records are filled and logged now
+            self.session.resolve_pending()
         return done
 
     @property
@@ -496,6 +503,9 @@ class LoopTracker:
                 ``labels != ignore_index`` (on the device). In a window the cadence does
                 not measure they are counted at :meth:`step` (no operator per microbatch):
                 labels changed in place before then are counted as they are, with a warning.
+                On one rank and a CUDA device that :meth:`step` does not wait for the count:
+                it reaches the host behind an event, and the record's unit fields are filled
+                (and the record logged) when it has arrived; reading them first waits.
 
         Raises:
             TypeError: neither or both of ``size`` and ``labels``; a bool or a tensor of
@@ -674,6 +684,8 @@ class LoopTracker:
                 :attr:`accumulation_steps` (raised on every rank, before the optimizer can
                 step on gradients that were never all-reduced).
         """
+        if self.session._deferred:  # the records of windows whose counts have arrived (no wait)
+            self.session.poll_pending()
         if self._lean and not self._in_microbatch and self.collector.num_microbatches \
                 and not self.collector.hooks_fired_outside and self.session._record_current:
             return self._step_counted()
@@ -740,8 +752,11 @@ class LoopTracker:
         if self.grad_scaler is not None:
             self._loss_scale()  # the gradients are unscaled at step() in every window
         divisor = float(self._window_divisor) if self.loss_normalization == "mean" and self.loss_divided_by_accumulation else 1.0
-        sizes, _ = self.collector.host_sizes()
         key = (divisor, self._avg_ranks, self._window_divisor, self.loss_normalization, self.session.cadence.proposal())
+        copy = self.collector.deferred_sizes()
+        if copy is not None:  # labels= on the device: their counts reach the host later, read without a wait
+            return self._step_deferred(copy, key)
+        sizes, _ = self.collector.host_sizes()
         last = self._last_count
         if last is not None and last[1] == key and last[0] == sizes:
             stats, faults = last[2], None  # the sizes and the arguments of the window before: its stats (equal)
@@ -762,6 +777,39 @@ class LoopTracker:
         # the next window starts as this one did when nothing its start reads has moved: not measured, no
         # change of the batch pending, and its step() counted as this one's (counted_step_ready: no clock due,
         # the _lean its start would set); windows() and load_state_dict() start theirs in full
+        self._fast_from = 0 if (
+            session.pending_accumulation is None and not session.cadence.measure_next()
+            and session.counted_step_ready(self._window_divisor)
+        ) else 1
+        return record
+
+    def _step_deferred(self, copy: Any, key: tuple[Any, ...]) -> StepRecord:
+        """:meth:`_step_counted` of a window whose sizes are ``labels=`` counted on an accelerator: the counts
+        go to the host without a wait (:class:`~cbs_tracker.core.collector.HostCopy`), and the record's four
+        unit fields are filled when they arrive (the next :meth:`step`, a measured window's end, or whatever
+        reads them first). Nothing else waits for them: the position, the LR schedule and the next window's
+        size count microbatches; a label count is a whole number >= 0, never invalid; how many microbatches
+        the window ran is known on the host."""
+        ran = self.collector.num_microbatches
+        if ran == key[2]:
+            faults = None
+        else:  # as count_sizes finds it: a window of another size than set (warned), no invalid size
+            faults = WindowFaults._of(mismatched_ranks=1, invalid_sizes=0, microbatches_run=ran, replica_spread=0.0,
+                                      shared_data=False)
+
+        def stats_of(sizes: list[float]) -> StepStats:
+            return count_sizes(sizes, loss_divisor=key[0], avg_ranks=key[1], expected_microbatches=key[2],
+                               normalization=key[3], proposed_every=key[4])[0]
+
+        if self.collector.labels_changed:
+            self._warn_labels_changed()
+        self.collector.reset_window()
+        self._batches_done += self._window_index * self.session.micro_group
+        self._window_index = 0
+        self._step_norm = None
+        session = self.session
+        record = session.finish_counted(None, faults, window_accumulation=self._window_divisor,
+                                        deferred=(copy, stats_of, key[4]))
         self._fast_from = 0 if (
             session.pending_accumulation is None and not session.cadence.measure_next()
             and session.counted_step_ready(self._window_divisor)
@@ -957,6 +1005,7 @@ class LoopTracker:
     def remove_hooks(self) -> None:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
         _warn_unstepped(self.collector, self.session, type(self).__name__, "the tracker was detached (remove_hooks())")
+        self.session.resolve_pending()  # records whose counts are still on their way: filled and logged
         self.collector.remove()
         self.session.detach_scheduler()
 

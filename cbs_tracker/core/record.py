@@ -11,6 +11,10 @@ from typing import Literal
 
 Unit = Literal["tokens", "samples"]
 
+#: the fields a window's units make: in a window not measured whose ``labels=`` were counted on an
+#: accelerator they are filled when the counts reach the host (read earlier, they wait for them)
+PENDING_FIELDS = ("tokens_seen", "global_batch", "micro_batch", "dropped")
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -79,6 +83,20 @@ class StepRecord:
     lr_conversions: int | None = None
     measured: bool = True
     kappa: float | None = None
+
+    def __getattr__(self, name: str) -> object:
+        # only for a field not yet filled: a record whose window's counts are still on their way to the
+        # host (see PENDING_FIELDS) waits for them here, once
+        pending = self.__dict__.get("_tokens")
+        if pending is not None and name in PENDING_FIELDS:
+            pending.resolve()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict[str, object]:
+        if "_tokens" in self.__dict__:  # a copy or a pickle holds the numbers, not the tracker
+            self.__dict__["_tokens"].resolve()
+        return self.__dict__
 
     @classmethod
     def _of(cls, **values: object) -> StepRecord:

@@ -13,13 +13,14 @@ import math
 import numbers
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from cbs_tracker.core.cadence import MeasureCadence
 from cbs_tracker.core.collector import StepStats
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import REPLICA_TOLERANCE, WindowFaults
-from cbs_tracker.core.record import StepRecord, Unit
+from cbs_tracker.core.record import PENDING_FIELDS, StepRecord, Unit
 from cbs_tracker.policy.lr import ScheduleTimer, coupling_factor, resolve_coupling
 from cbs_tracker.policy.ranks import RankChange, plain_number
 
@@ -172,7 +173,9 @@ class TrackingSession:
         self._update_kwargs: tuple[str, ...] | None = None
 
         self.step = 0
-        self.units_seen = 0.0
+        self._units_known = 0.0  # units of the windows whose sizes have reached the host
+        #: windows not measured whose sizes are still on their way to the host, oldest first
+        self._deferred: list[_Deferred] = []
         self.starting_batch_steps = 0
         #: microbatches per rank of the last whole windows not yet a whole starting-batch step
         self.starting_batch_carry = 0.0
@@ -184,7 +187,7 @@ class TrackingSession:
         self.coupling = 1.0
         self.last_record: StepRecord | None = None
         self._record_current = False  # last_record tells the estimator's state (finish_counted may copy it)
-        self.last_stats: StepStats | None = None
+        self._last_stats: StepStats | None = None
         self.last_decision: Any | None = None
         self.changed_this_step = False
         self._warned: set[str] = set()
@@ -201,6 +204,59 @@ class TrackingSession:
                 "which can make the run unstable. Leave cap_lr_at_peak unset (it caps with a budget) or pass "
                 "lr_coupling='keep'.",
             )
+
+    # ------------------------------------------------------------------ counts still on the device
+    @property
+    def units_seen(self) -> float:
+        """Units consumed by all ranks so far, exact: windows whose counts are still on their way to the
+        host are waited for first (see :meth:`resolve_pending`)."""
+        if self._deferred:
+            self.resolve_pending()
+        return self._units_known
+
+    @units_seen.setter
+    def units_seen(self, value: float) -> None:
+        if self._deferred:
+            self.resolve_pending()
+        self._units_known = value
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """The last step's :class:`StepStats` (waits for a window's counts still on their way)."""
+        if self._deferred:
+            self.resolve_pending()
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, value: StepStats | None) -> None:
+        self._last_stats = value
+
+    def poll_pending(self) -> None:
+        """Fill (and log) the records of the windows whose counts have reached the host, oldest first;
+        never waits."""
+        deferred = self._deferred
+        while deferred and deferred[0].copy.ready():
+            self._fill(deferred.pop(0))
+
+    def resolve_pending(self) -> None:
+        """Fill (and log) every record whose counts are still on their way, waiting for them if needed
+        (one host synchronisation at most: the copies were made in order on one stream)."""
+        deferred = self._deferred
+        while deferred:
+            self._fill(deferred.pop(0))
+
+    def _fill(self, window: _Deferred) -> None:
+        stats = window.stats_of(window.copy.sizes())
+        self._units_known += stats.units
+        self._last_stats = stats
+        values = window.record.__dict__
+        values["tokens_seen"] = self._units_known
+        values["global_batch"] = stats.units
+        values["micro_batch"] = stats.units / max(stats.num_microbatches, 1)
+        values["dropped"] = not stats.finite
+        del values["_tokens"]
+        if self.logger is not None:
+            self.logger.log(window.record)
 
     # ------------------------------------------------------------------ warnings
     def warn_once(self, key: str, message: str) -> None:
@@ -377,31 +433,43 @@ class TrackingSession:
             and window_accumulation >= 2 and not getattr(self.controller, "every_window", False)
         )
 
-    def finish_counted(self, stats: StepStats, faults: WindowFaults | None, *, window_accumulation: int) -> StepRecord:
+    def finish_counted(self, stats: StepStats | None, faults: WindowFaults | None, *, window_accumulation: int,
+                       deferred: tuple[Any, Callable[[list[float]], StepStats], float] | None = None) -> StepRecord:
         """:meth:`finish_step` of a window not measured, when :meth:`counted_step_ready`: the same record and
         state with what such a window changes only (the counts, the position, the learning rate); the
         estimate and its interval are the last record's, which no window since has changed. ``faults``:
-        ``None`` for a window that ran ``window_accumulation`` microbatches of valid sizes."""
+        ``None`` for a window that ran ``window_accumulation`` microbatches of valid sizes.
+
+        ``deferred``: the window's sizes are still on their way to the host (``stats`` is ``None``):
+        ``(copy, stats_of, proposed_every)``, a :class:`~cbs_tracker.core.collector.HostCopy`, what makes
+        the window's stats of its sizes, and the cadence's proposal. Everything but the units is known now
+        (the position, the schedule and the decisions count microbatches); the record's ``tokens_seen``,
+        ``global_batch``, ``micro_batch`` and ``dropped`` are filled when the copy arrives (read early,
+        they wait for it), and the record is logged then."""
         self._check_outside_lr()
         if faults is None:
             run = int(window_accumulation)
         else:
             if faults.invalid_sizes or faults.mismatched_ranks:
-                self._check_faults(stats, faults, window_accumulation, False)
-            run = faults.microbatches_run or stats.num_microbatches
+                self._check_faults(stats, faults, window_accumulation, False)  # type: ignore[arg-type]
+            run = faults.microbatches_run or stats.num_microbatches  # type: ignore[union-attr]
         self._advance(stats, run, window_accumulation)
         self.changed_this_step = False
         groups = self.optimizer.param_groups if self.optimizer is not None else None
+        if deferred is not None:
+            record = self._deferred_record(deferred, run, window_accumulation, groups)
+            self._clock_due, self.timing = self.cadence.unmeasured_done(deferred[2])
+            return record
         record = StepRecord._like(self.last_record, {  # type: ignore[arg-type]
             "step": self.step,
             "tokens_seen": self.units_seen,
-            "global_batch": stats.units,
-            "micro_batch": stats.units / max(stats.num_microbatches, 1),
+            "global_batch": stats.units,  # type: ignore[union-attr]
+            "micro_batch": stats.units / max(stats.num_microbatches, 1),  # type: ignore[union-attr]
             "accumulation_steps": self._ran_per_rank(run, window_accumulation),
             "lr": float(groups[0]["lr"]) if groups else None,
             "step_grad_sq_norm": None,
             "step_trace_cov": None,
-            "dropped": not stats.finite,
+            "dropped": not stats.finite,  # type: ignore[union-attr]
             "measured": False,
             "next_accumulation_steps": (
                 self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
@@ -418,7 +486,40 @@ class TrackingSession:
         if self.logger is not None:
             self.logger.log(record)
         self._note_lr()
-        self._clock_due, self.timing = self.cadence.unmeasured_done(stats.proposed_every)
+        self._clock_due, self.timing = self.cadence.unmeasured_done(stats.proposed_every)  # type: ignore[union-attr]
+        return record
+
+    def _deferred_record(self, deferred: tuple[Any, Callable[[list[float]], StepStats], float], run: int,
+                         window_accumulation: int, groups: Any) -> StepRecord:
+        """:meth:`finish_counted`'s record of a window whose sizes are on their way: every field but the four
+        the units make, which :meth:`_fill` writes (and the record is logged then)."""
+        window = _Deferred(deferred[0], deferred[1], self)
+        record = StepRecord._like(self.last_record, {  # type: ignore[arg-type]
+            "step": self.step,
+            "accumulation_steps": self._ran_per_rank(run, window_accumulation),
+            "lr": float(groups[0]["lr"]) if groups else None,
+            "step_grad_sq_norm": None,
+            "step_trace_cov": None,
+            "measured": False,
+            "next_accumulation_steps": (
+                self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
+            ),
+            "scheduled_lr": self.scheduled_lr(),
+            "lr_coupling": self.coupling if self.optimizer is not None else None,
+            "critical_batch": getattr(self.last_decision, "critical_batch", None),
+            "kappa": getattr(self.controller, "kappa", None),
+            "lr_conversions": (
+                None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0)
+            ),
+            "_tokens": window,
+        })
+        values = record.__dict__
+        for key in PENDING_FIELDS:
+            values.pop(key, None)
+        window.record = record
+        self._deferred.append(window)
+        self.last_record = record
+        self._note_lr()
         return record
 
     def _note_lr(self) -> None:
@@ -509,7 +610,7 @@ class TrackingSession:
                 "process_group= or device_mesh=..., mesh_dim='dp')."
             )
 
-    def _advance(self, stats: StepStats, run: int, window_accumulation: int) -> None:
+    def _advance(self, stats: StepStats | None, run: int, window_accumulation: int) -> None:
         """Count the step, its units and the starting-batch steps it held (the schedule's position).
 
         A whole window of ``k`` microbatches holds ``floor((carry + k) / A0)`` starting-batch steps
@@ -531,11 +632,12 @@ class TrackingSession:
         else:
             held = 1
         self.step += 1
-        self.units_seen += stats.units
         self.starting_batch_steps += held
         if self.timer is not None:
             self.timer.owe(held)
-        self.last_stats = stats
+        if stats is not None:  # (None: a window whose sizes are still on their way, see finish_counted)
+            self.units_seen += stats.units
+            self._last_stats = stats
 
     def _estimate(self, stats: StepStats, window_accumulation: int, allowed: bool) -> Any | None:
         """Feed a measurable step to the estimator (and the sanity checks); warn once on K = 1."""
@@ -898,3 +1000,17 @@ def _float(
         what = "> 0" if positive else f">= {minimum}"
         raise ValueError(f"{where}: {key!r} must be a finite number {what}, got {state[key]!r}")
     return value
+
+
+class _Deferred:
+    """A window not measured whose sizes are on their way to the host: its copy, what makes its stats of
+    the sizes, and its record (the record's ``_tokens``; reading a pending field resolves it)."""
+
+    __slots__ = ("copy", "stats_of", "session", "record")
+
+    def __init__(self, copy: Any, stats_of: Callable[[list[float]], StepStats], session: TrackingSession) -> None:
+        self.copy, self.stats_of, self.session = copy, stats_of, session
+        self.record: StepRecord | None = None
+
+    def resolve(self) -> None:
+        self.session.resolve_pending()

@@ -19,7 +19,7 @@ from torch import nn
 
 __all__ = ["GPT", "GPTConfig", "make_adamw"]
 
-PresetName = Literal["demo", "10m"]
+PresetName = Literal["demo", "10m", "gpt2-small", "gpt2-medium"]
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -82,18 +82,36 @@ class GPTConfig:
             name: ``"demo"`` (the defaults: 2 layers, width 128, 4 heads,
                 context 128; 0.45M parameters) or ``"10m"`` (6 layers, width
                 384, 6 heads, context 256; 10.8M parameters, for benchmarks
-                that need at least 10M).
+                that need at least 10M); ``"gpt2-small"`` (12 layers, width 768, 12
+                heads, context 1,024, GPT-2's vocabulary of 50,257: 124.4M parameters)
+                or ``"gpt2-medium"`` (24 layers, width 1,024, 16 heads: 354.8M), GPT-2's
+                shapes for measuring the tracker at the sizes people pretrain.
             **overrides: fields to change, e.g. ``context_length=512``.
         """
         presets: dict[str, dict[str, Any]] = {
             "demo": {},
             "10m": {"n_layer": 6, "d_model": 384, "n_head": 6, "context_length": 256},
+            "gpt2-small": {"vocab_size": 50257, "context_length": 1024, "n_layer": 12, "d_model": 768, "n_head": 12},
+            "gpt2-medium": {"vocab_size": 50257, "context_length": 1024, "n_layer": 24, "d_model": 1024, "n_head": 16},
         }
         if name not in presets:
             raise ValueError(
                 f"GPTConfig.preset: name={name!r} is not allowed; choose one of {sorted(presets)}"
             )
         return cls(**{**presets[name], **overrides})
+
+    def num_parameters(self) -> int:
+        """The parameters :class:`GPT` of this configuration has (a tied weight once), counted from the
+        shape without building the model."""
+        d, bias = self.d_model, int(self.bias)
+        per_block = (
+            2 * d * (1 + bias)  # ln_1, ln_2
+            + d * 3 * d + bias * 3 * d + d * d + bias * d  # attention: c_attn, c_proj
+            + d * 4 * d + bias * 4 * d + 4 * d * d + bias * d  # MLP: c_fc, c_proj
+        )
+        embeddings = (self.vocab_size + self.context_length) * d
+        head = 0 if self.tie_weights else self.vocab_size * d
+        return embeddings + self.n_layer * per_block + d * (1 + bias) + head
 
 
 class CausalSelfAttention(nn.Module):
