@@ -385,11 +385,16 @@ class AcceleratorTracker(CBSTracker):
         name = type(self).__name__
         differ = (f"{expected - skip} loader batches before it run a second time" if skip < expected else
                   f"{skip - expected} loader batches are skipped")
+        differ += " (if the epoch is the same)"
+        if skip == 0 and expected > 0:
+            # run_clm_no_trainer's `epoch_{i}` resume starts the next epoch at its first batch
+            differ += (f"; if the loop started the next epoch (run_clm_no_trainer's resume from `epoch_{{i}}`), "
+                       f"the last {total - expected} loader batches of the checkpoint's epoch are never trained")
         self.session.warn_once(
             "resume_data",
             f"{name}: resumed with the data loader starting at batch {skip} of its epoch of {total}, but the "
             f"checkpoint's windows had run {expected_total} loader batches on this process, up to batch {expected} "
-            f"of an epoch: {differ} (if the epoch is the same). A count of optimizer steps times the starting "
+            f"of an epoch: {differ}. A count of optimizer steps times the starting "
             "accumulation (run_clm_no_trainer's `resume_step = step * gradient_accumulation_steps`) is not the data "
             "position once the batch has grown, nor is an epoch's end inside a window. Resume the data at "
             "`starting_epoch, resume_step = divmod(tracker.resume_position(), len(train_dataloader))` and "
