@@ -169,7 +169,6 @@ def test_the_scheduled_lr_a_controller_gets_from_a_loop_that_sets_its_own(optimi
     import warnings
 
     import torch
-
     from cbs_tracker.integrations.plain import CBSTracker
 
     torch.manual_seed(0)
