@@ -279,6 +279,11 @@ def budget_mode_available() -> bool:
     return "budget_tokens" in inspect.signature(BatchSizeController).parameters
 
 
+#: the controller's defaults when these rules were named (kappa 0.5, no LR-decay conversion); a
+#: rule keeps them whatever the library's defaults, so its stored results keep their meaning
+EARLIER_DEFAULTS: dict[str, Any] = {"kappa": 0.5, "convert_lr_decay": False}
+
+
 def make_controller(spec: RunSpec, setting: Setting, micro_tokens: int) -> Any:
     """The controller object of a run (``None`` for the constants: observe only)."""
     from cbs_tracker.policy.controller import BatchSizeController
@@ -291,9 +296,9 @@ def make_controller(spec: RunSpec, setting: Setting, micro_tokens: int) -> Any:
 
         return BatchSchedule(ramp_marks(setting), microbatch=micro_tokens)
     if spec.schedule == "tracker_default":
-        return BatchSizeController()
+        return BatchSizeController(**EARLIER_DEFAULTS)
     if spec.schedule == "tracker_budget":
-        return BatchSizeController(budget_tokens=setting.budget_tokens)
+        return BatchSizeController(**EARLIER_DEFAULTS, budget_tokens=setting.budget_tokens)
     raise ValueError(f"unknown schedule {spec.schedule!r}; expected one of {SCHEDULES}")
 
 

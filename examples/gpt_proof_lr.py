@@ -7,7 +7,8 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
 (``cosine`` or ``wsd``: warmup-stable-decay, last 20% linear, both to 10%):
 
 * ``constant_512``: the constant 512-token batch (256-token microbatches, A = 2);
-* ``tracker_default``: the library's defaults (LR coupling chosen from AdamW: sqrt);
+* ``tracker_default``: the library's defaults when the rule was named, ``kappa=0.5`` without
+  conversion (``gpt_proof.EARLIER_DEFAULTS``; the rule keeps them), LR coupling chosen from AdamW: sqrt;
 * ``tracker_convert``: the same plus ``convert_lr_decay=True`` (halvings of the
   scheduled LR become doublings while the batch stays below the measured critical batch);
 * ``tracker_default_cap`` (first seed, cosine): the coupling capped at the peak LR;
@@ -139,21 +140,24 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
 
     if run.schedule in ("constant", "constant_fast"):
         return None
+    # the rules keep the defaults they were named under (base.EARLIER_DEFAULTS: kappa 0.5, no
+    # conversion), whatever the library's, so their stored results keep their meaning
+    earlier = base.EARLIER_DEFAULTS
     if run.schedule in ("tracker_default", "tracker_mbfirst", "tracker_mbfirst_auto"):
-        return BatchSizeController()
+        return BatchSizeController(**earlier)
     if run.schedule == "tracker_convert":
-        return BatchSizeController(convert_lr_decay=True)
+        return BatchSizeController(kappa=earlier["kappa"], convert_lr_decay=True)
     if run.schedule == "tracker_convert_kappa1":
-        # conversions allowed up to B_simple itself (the default kappa = 0.5 bounds them at half of it)
+        # conversions allowed up to B_simple itself (kappa = 0.5 bounded them at half of it then)
         return BatchSizeController(convert_lr_decay=True, kappa=1.0)
     if run.schedule == "tracker_budget":
-        return BatchSizeController(budget_tokens=setting.budget_tokens)
+        return BatchSizeController(**earlier, budget_tokens=setting.budget_tokens)
     if run.schedule == "tracker_kappa04":
-        return BatchSizeController(kappa=0.4)
+        return BatchSizeController(kappa=0.4, convert_lr_decay=False)
     if run.schedule == "tracker_measured":
-        return BatchSizeController(kappa=measured_kappa())
+        return BatchSizeController(kappa=measured_kappa(), convert_lr_decay=False)
     if run.schedule == "tracker_cooled":
-        return BatchSizeController(kappa=measured_kappa(COOLED_KAPPA[setting.name]))
+        return BatchSizeController(kappa=measured_kappa(COOLED_KAPPA[setting.name]), convert_lr_decay=False)
     ramp_run = _KAPPA_RAMP_RUN.fullmatch(run.schedule)
     if ramp_run is not None:
         from cbs_tracker.policy.kappa import KappaSchedule

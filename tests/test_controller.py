@@ -49,7 +49,8 @@ def changes(decisions: list[Decision]) -> list[Decision]:
 # ----------------------------------------------------------------------------- defaults
 def test_defaults_are_documented_values():
     c = BatchSizeController()
-    assert (c.kappa, c.margin, c.patience, c.window, c.warmup_steps) == (0.5, 0.1, 16, 32, 100)
+    assert (c.kappa, c.margin, c.patience, c.window, c.warmup_steps) == (0.4, 0.1, 16, 32, 100)
+    assert c.kappa_schedule is None and c.convert_lr_decay is True and c.conversion_kappa == 1.0
     assert c.min_batch is None and c.max_batch is None and c.max_accumulation_steps is None
     assert c.warmup_tokens is None and c.cooldown_tokens is None
     assert not c.allow_shrink and not c.observe_only and c.lr_scaling is None and c.feedback_guard
@@ -352,14 +353,15 @@ def test_feedback_trap_noise_scale_following_the_batch_does_not_run_away():
 def test_one_chance_comparison_does_not_stop_growth():
     # B_simple = 20 x MICRO, steady, but read 30% low just before the first doubling: that
     # doubling looks like the trap (x1.43 > 1.4 beyond the trend); the next one does not,
-    # so growth goes on to the batch that kappa * B_simple allows (8 MICRO)
+    # so growth goes on to the batch that kappa * B_simple allows (8 MICRO at kappa = 0.5: the
+    # last doubling, 4 -> 8 MICRO, needs 0.5 x 20 MICRO >= 2.2 x 4 MICRO, which kappa = 0.4 misses)
     def signal(step, tokens, batch):
         return 20.0 * MICRO * (0.7 if 70 <= step <= 100 else 1.0)
 
-    ctrl = BatchSizeController(warmup_steps=70, window=16, patience=8)
+    ctrl = BatchSizeController(kappa=0.5, warmup_steps=70, window=16, patience=8)
     decisions, (_, _, acc) = simulate(ctrl, signal, 3000)
     assert not ctrl.feedback_trap and acc == 8
-    once = BatchSizeController(warmup_steps=70, window=16, patience=8, feedback_strikes=1)
+    once = BatchSizeController(kappa=0.5, warmup_steps=70, window=16, patience=8, feedback_strikes=1)
     with pytest.warns(RuntimeWarning, match="follows the batch"):
         _, (_, _, acc_once) = simulate(once, signal, 3000)
     assert once.feedback_trap and acc_once == 2  # the one-comparison rule stops at the first doubling
@@ -788,18 +790,21 @@ def test_budget_smaller_than_the_first_batch_is_refused():
 
 def test_default_kappa_keeps_the_batch_below_half_the_noise_scale():
     # flat B_simple = 20 * 512: a doubling B -> 2B needs kappa * B_simple >= 2.2 B, so the batch
-    # ends at the largest power of two <= kappa * B_simple / 1.1: 4096 (A = 8) for kappa = 0.5
-    # (0.5 * 10240 / 1.1 = 4655), 8192 (A = 16) for kappa = 1
+    # ends at the largest power of two <= kappa * B_simple / 1.1: 2048 (A = 4) for the default
+    # kappa = 0.4 (0.4 * 10240 / 1.1 = 3724), 4096 (A = 8) for kappa = 0.5 (4655), 8192 (A = 16)
+    # for kappa = 1. No scheduled LR is passed: the default's conversion has nothing to convert.
     rng = random.Random(7)
     signal = lambda *a: 20 * MICRO * math.exp(rng.gauss(0, 0.1))  # noqa: E731
     _, (_, _, acc_default) = simulate(BatchSizeController(), signal, 3000)
+    _, (_, _, acc_half) = simulate(BatchSizeController(kappa=0.5), signal, 3000)
     _, (_, _, acc_one) = simulate(BatchSizeController(kappa=1.0), signal, 3000)
-    assert (acc_default, acc_one) == (8, 16)
+    assert (acc_default, acc_half, acc_one) == (4, 8, 16)
 
 
 # ------------------------------------------------------------ state validation
 # A checkpoint written by the controller before it was split into parts (same format,
-# version 1): window=4, patience=2, lr_scaling="sqrt", 700 steps of _noisy_rise(7).
+# version 1): window=4, patience=2, lr_scaling="sqrt", kappa=0.5 (the default then), 700 steps
+# of _noisy_rise(7).
 _OLD_CHECKPOINT = {
     "version": 1, "started": 1, "start_accumulation_steps": 1, "units_sum": 475648.0, "accumulation_sum": 929,
     "exponent": 1, "steps": 700, "last_step": 700, "last_tokens": 475648.0,
@@ -812,7 +817,7 @@ _OLD_CHECKPOINT = {
 
 
 def test_a_checkpoint_of_the_previous_format_resumes_the_same_decisions():
-    kwargs = dict(window=4, patience=2, lr_scaling="sqrt")
+    kwargs = dict(window=4, patience=2, lr_scaling="sqrt", kappa=0.5)
     full, _ = simulate(BatchSizeController(**kwargs), _noisy_rise(7), 1500)
     resumed = BatchSizeController(**kwargs)
     resumed.load_state_dict(_OLD_CHECKPOINT)
@@ -913,7 +918,7 @@ def test_step_decay_halvings_become_doublings_up_to_the_critical_batch():
 
 
 def test_without_the_mode_the_same_run_never_changes():
-    ctrl = BatchSizeController(kappa=1.0, margin=100.0)
+    ctrl = BatchSizeController(kappa=1.0, margin=100.0, convert_lr_decay=False)
     decisions, _ = simulate_lr(ctrl, lambda *a: 6.0 * MICRO, _step_decay, 800)
     assert changes(decisions) == [] and decisions[-1].lr_conversions == 0
 
@@ -976,7 +981,7 @@ def test_no_conversion_while_the_noise_scale_follows_the_batch():
 
 
 def test_a_constant_schedule_leaves_the_decisions_of_the_plain_controller():
-    plain, _ = simulate(BatchSizeController(kappa=1.0), _noisy_rise(4), 3000)
+    plain, _ = simulate(BatchSizeController(kappa=1.0, convert_lr_decay=False), _noisy_rise(4), 3000)
     converting, _ = simulate_lr(BatchSizeController(kappa=1.0, convert_lr_decay=True), _noisy_rise(4),
                                 lambda step: 3e-4, 3000)
     assert converting == plain and len(changes(plain)) >= 3
@@ -1010,6 +1015,58 @@ def test_conversion_state_resumes_identically(split):
 def test_bad_new_update_arguments_are_refused(over, exc, match):
     with pytest.raises(exc, match=match):
         _update(BatchSizeController(), **over)
+
+
+def test_the_default_converts_the_halvings_of_a_cosine_and_nothing_without_a_scheduled_lr():
+    # The default (docs/options.md): kappa = 0.4, convert_lr_decay=True, conversion_kappa = 1.
+    # Flat B_simple = 5 x 512 = 2560: measured growth would need 0.4 x 2560 = 1024 >= 2.2 x 512 =
+    # 1126.4, so it never fires; a halving converts while the doubled batch is <= 2560. A cosine to
+    # 10% over 3000 steps halves at 0.5 (512 -> 1024: converted), 0.25 (1024 -> 2048: converted)
+    # and 0.125 of its peak (2048 -> 4096 > 2560: the LR decays as scheduled).
+    ctrl = BatchSizeController(lr_scaling="sqrt")  # the Adam coupling, reported in lr_factor
+    assert (ctrl.kappa, ctrl.convert_lr_decay, ctrl.conversion_kappa) == (0.4, True, 1.0)
+    lr_at = _cosine(3000)
+    decisions, (_, _, acc) = simulate_lr(ctrl, lambda *a: 5.0 * MICRO, lr_at, 3200)
+    grown = changes(decisions)
+    halves = [_first_step_at_or_below(lr_at, 0.5), _first_step_at_or_below(lr_at, 0.25)]
+    assert [(d.step, d.accumulation_steps) for d in grown] == [(halves[0], 2), (halves[1], 4)]
+    assert all(d.reason.startswith("convert: scheduled LR") for d in grown)
+    # each doubling takes the place of a halving: the LR the run uses (the schedule's times the
+    # coupling, sqrt(2) per doubling) is 1/sqrt(2) of the peak after the first, 1/2 after the second
+    for k, d in enumerate(grown, start=1):
+        assert d.lr_factor == pytest.approx(math.sqrt(2))
+        assert lr_at(d.step) <= 2.0**-k < lr_at(d.step - 1)
+        assert lr_at(d.step) * math.sqrt(2) ** k == pytest.approx(math.sqrt(2) ** -k, rel=2e-3)
+    assert acc == 4 and ctrl.lr_conversions == 2 and ctrl.state_dict()["lr_halvings"] == 3
+    # without a scheduled LR (an adapter without an optimizer passes None) or with a constant one,
+    # the same run never changes: the conversion has nothing to convert
+    for lr_at_none in (lambda step: None, lambda step: 3e-4):
+        idle = BatchSizeController(lr_scaling="sqrt")
+        decisions, (_, _, acc) = simulate_lr(idle, lambda *a: 5.0 * MICRO, lr_at_none, 3200)
+        assert changes(decisions) == [] and acc == 1 and idle.lr_conversions == 0
+        assert idle.state_dict()["lr_halvings"] == 0
+
+
+def test_a_state_saved_without_an_lr_reference_resumes_from_the_lr_at_resume():
+    # the earlier default (kappa 0.5, no conversion) saved lr_reference 0: under the new default
+    # the halvings count from the scheduled LR at resume (0.6 here: the next one at 0.3), with a
+    # warning that says how to resume as before; the earlier configuration resumes silently
+    old = BatchSizeController(kappa=0.5, convert_lr_decay=False, margin=100.0)
+    _, (step, tokens, acc) = simulate_lr(old, lambda *a: 8.0 * MICRO, lambda step: 1.0, 300)
+    state = json.loads(json.dumps(old.state_dict()))
+    assert state["lr_reference"] == 0.0 and acc == 1
+    lr_at = lambda step: 0.6 if step < 500 else 0.35 if step < 700 else 0.3  # noqa: E731
+    new = BatchSizeController(margin=100.0)
+    new.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"count from 0\.6, its value at resume.*kappa=0\.5, convert_lr_decay=False"):
+        decisions, _ = simulate_lr(new, lambda *a: 8.0 * MICRO, lr_at, 600, start_step=step + 1, tokens=tokens)
+    assert [(d.step, d.accumulation_steps) for d in changes(decisions)] == [(700, 2)]
+    same = BatchSizeController(kappa=0.5, convert_lr_decay=False, margin=100.0)
+    same.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decisions, _ = simulate_lr(same, lambda *a: 8.0 * MICRO, lr_at, 600, start_step=step + 1, tokens=tokens)
+    assert changes(decisions) == []
 
 
 def test_convert_lr_decay_must_be_a_bool():

@@ -255,3 +255,29 @@ def test_the_policy_options_are_their_signatures(heading, name):
     if name == "BatchSchedule":
         documented.discard("marks")
     assert documented == params, (sorted(params - documented), sorted(documented - params))
+
+
+def test_the_controller_defaults_are_the_documented_ones():
+    # each default cell of BatchSizeController's table that is a literal (`0.4`, `True`, `None`) is
+    # the signature's default: one value for all the names of its row, or one value per name
+    import ast
+
+    from cbs_tracker import BatchSizeController
+
+    params = inspect.signature(BatchSizeController.__init__).parameters
+    checked = {}
+    for line in _section(OPTIONS, "`BatchSizeController").splitlines():
+        if not line.startswith("| `"):
+            continue
+        names = re.findall(r"`([a-z_0-9]+)`", line.split("|")[1])
+        cells = [c.strip() for c in line.split("|")[2].split(", ")]
+        for name, cell in zip(names, cells * len(names) if len(cells) == 1 else cells, strict=True):
+            literal = re.fullmatch(r"`([^`]+)`", cell)
+            try:
+                value = ast.literal_eval(literal.group(1)) if literal else ...
+            except (ValueError, SyntaxError):
+                continue  # `256·A0`: a rule, not a value
+            if value is not ...:
+                checked[name] = value
+                assert params[name].default == value, name
+    assert checked["kappa"] == 0.4 and checked["convert_lr_decay"] is True and checked["conversion_kappa"] == 1.0

@@ -153,7 +153,9 @@ def test_nqm_controller_settings_depend_on_the_bounds_only():
     b = nqm_controller(budget=1e7)
     assert (a.max_batch, a.max_accumulation_steps) == (8192.0, 1024)
     assert (b.max_batch, b.max_accumulation_steps, b.budget_tokens) == (8192.0, 1024, 1e7)
-    assert a.kappa == b.kappa == 0.5 and a.patience == b.patience
+    # every other option is the library's default (docs/options.md): kappa 0.4, LR-decay conversion on
+    assert a.kappa == b.kappa == 0.4 and a.patience == b.patience
+    assert a.convert_lr_decay and b.convert_lr_decay
 
 
 # ------------------------------------------------------------------------- the rows

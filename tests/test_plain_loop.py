@@ -134,3 +134,70 @@ def test_set_lr_clocks_the_schedule_in_starting_batch_steps_and_keeps_the_coupli
     assert seen[-1][2] == pytest.approx(2**0.5)
     for (sbs_after, lr, coupling), (sbs_before, _, _) in zip(seen[1:], seen[:-1]):
         assert lr == pytest.approx(get_lr(sbs_before) * coupling, rel=1e-12)
+
+
+class _RecordingController:
+    """Grows the accumulation 2 -> 4 at step 3 and records the scheduled LR each update gets."""
+
+    observe_only = False
+    kappa = 1.0
+
+    def __init__(self):
+        self.scheduled: list[float | None] = []
+
+    def update(self, *, step, accumulation_steps, scheduled_lr=None, **_):
+        import types
+
+        self.scheduled.append(scheduled_lr)
+        new = 4 if step == 3 else None
+        return types.SimpleNamespace(accumulation_steps=new or accumulation_steps, changed=new is not None,
+                                     critical_batch=None, lr_factor=1.0, reason="plan")
+
+    def state_dict(self):
+        return {"version": 1}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("optimizer,how", [("SGD", "write"), ("AdamW", "write"), ("SGD", "set_lr"), (None, None)])
+def test_the_scheduled_lr_a_controller_gets_from_a_loop_that_sets_its_own(optimizer, how):
+    # A loop writing param_group["lr"] itself overwrites the coupling (x2 for SGD, x sqrt 2 for AdamW
+    # after the doubling): its LR over the coupling would read as a halving of the schedule, which
+    # the default controller would turn into a doubling. Once seen, no scheduled LR is passed (a
+    # warning says why); tracker.set_lr keeps the schedule's own value; no optimizer passes none.
+    import warnings
+
+    import torch
+    from cbs_tracker.integrations.plain import CBSTracker
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = None if optimizer is None else getattr(torch.optim, optimizer)(model.parameters(), lr=0.1)
+    ctrl = _RecordingController()
+    tracker = CBSTracker(model, opt, accumulation_steps=2, controller=ctrl, unit="samples")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            if how == "write":
+                for g in opt.param_groups:
+                    g["lr"] = 0.1
+            elif how == "set_lr":
+                tracker.set_lr(0.1)
+            for _ in range(tracker.accumulation_steps):
+                with tracker.microbatch(size=8):
+                    (model(torch.randn(8, 4)).pow(2).mean() / tracker.accumulation_steps).backward()
+            tracker.step()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+    assert tracker.accumulation_steps == 4 and len(ctrl.scheduled) == 8
+    outside = [w for w in caught if "set from outside the tracker" in str(w.message)]
+    if how == "write":
+        # the coupling is applied when the doubled window starts (step 4), after that step's write;
+        # the write before step 5 overwrites it
+        assert ctrl.scheduled[:4] == [0.1] * 4 and ctrl.scheduled[4:] == [None] * 4 and len(outside) == 1
+    elif how == "set_lr":
+        assert ctrl.scheduled == pytest.approx([0.1] * 8) and not outside
+    else:
+        assert ctrl.scheduled == [None] * 8

@@ -167,6 +167,9 @@ class TrackingSession:
         #: warn when the learning rate was changed between two steps by someone else (plain loops)
         self.detect_outside_lr = False
         self._lr_left: float | None = None  # the first group's LR as the tracker last left it
+        # the loop wrote the LR itself over a coupling: the optimizer's LR over the coupling is no
+        # longer the schedule's, so no scheduled LR is reported (a controller converts nothing)
+        self._lr_from_outside = False
         self._timer_writes = 0
         self.timer: ScheduleTimer | None = None
         self._pending_schedule_state: dict[str, Any] | None = None
@@ -295,10 +298,14 @@ class TrackingSession:
             self.timer = None
 
     def scheduled_lr(self) -> float | None:
-        """The first param group's learning rate as the schedule sets it, before the coupling."""
+        """The first param group's learning rate as the schedule sets it, before the coupling.
+
+        ``None`` without an optimizer, and once a loop without a timed scheduler wrote the LR
+        itself while the batch had grown (what it wrote is not known to hold the coupling).
+        """
         if self.timer is not None:
             return self.timer.scheduled[0] if self.timer.scheduled else None
-        if self.optimizer is None or not self.optimizer.param_groups:
+        if self.optimizer is None or not self.optimizer.param_groups or self._lr_from_outside:
             return None
         return float(self.optimizer.param_groups[0]["lr"]) / self.coupling
 
@@ -538,6 +545,7 @@ class TrackingSession:
         lr = float(self.optimizer.param_groups[0]["lr"])
         grown = self.accumulation_steps != self.starting_accumulation or self.coupling != 1.0
         if grown and not math.isclose(lr, self._lr_left, rel_tol=1e-6, abs_tol=0.0):
+            self._lr_from_outside = True
             self.warn_once(
                 "outside_lr",
                 f"{self.owner}: the learning rate was set from outside the tracker between two steps ({lr:.4g}; "

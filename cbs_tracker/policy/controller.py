@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -121,8 +122,10 @@ class BatchSizeController:
     Args:
         kappa: the target batch is ``kappa * B_simple`` (``B_simple`` approximates the
             critical batch ``B_noise``, where a run needs about twice the minimal data;
-            at a fixed budget the loss-optimal batch sits below it). Default 0.5, chosen
-            on one small GPT. A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
+            at a fixed budget the loss-optimal batch sits below it). Default 0.4, with
+            ``convert_lr_decay``: the rule that ended at or below the constant batch's final
+            loss on two small GPTs under a cosine schedule (``kappa=0.5`` without conversion,
+            the earlier default, ended above it on one). A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
             list of ``(tokens, kappa)`` pairs) gives a *measured* ``kappa`` that moves with
             the units seen, as a branched calibration reports it
             (:meth:`cbs_tracker.calibrate.Calibration.kappa_schedule`).
@@ -175,7 +178,11 @@ class BatchSizeController:
         convert_lr_decay: turn each halving of ``scheduled_lr`` (passed to
             :meth:`update`) into a doubling of the batch, while the doubled batch stays
             at or below ``conversion_kappa * B_simple`` and the caps; beyond that the LR
-            decays as scheduled. Default ``False``.
+            decays as scheduled. Default ``True``. Without a scheduled LR (``None``, as
+            an adapter passes when it has no optimizer) or with one that never halves (a
+            constant LR) it does nothing. A state saved without a scheduled-LR reference
+            (``convert_lr_decay=False``, the earlier default) loads: its halvings count from
+            the scheduled LR at resume, with a warning.
         conversion_kappa: the conversions' bound as a multiple of the measured noise
             scale (default 1: ``B_simple`` itself, above the ``kappa * B_simple`` that
             growth follows, so that a halving has room to convert).
@@ -190,7 +197,7 @@ class BatchSizeController:
     def __init__(
         self,
         *,
-        kappa: float | KappaSchedule | list[tuple[float, float]] = 0.5,
+        kappa: float | KappaSchedule | list[tuple[float, float]] = 0.4,
         min_batch: float | None = None,
         max_batch: float | None = None,
         margin: float = 0.1,
@@ -211,7 +218,7 @@ class BatchSizeController:
         plan_s: float = 0.5,
         plan_beta: float = 2.0,
         plan_floor_ratio: float = 0.5,
-        convert_lr_decay: bool = False,
+        convert_lr_decay: bool = True,
         conversion_kappa: float = 1.0,
     ) -> None:
         self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
@@ -290,6 +297,7 @@ class BatchSizeController:
         self._guard = FeedbackGuard(self)
         self._plan = BudgetPlan(self)
         self._conversion = LRDecayConversion()
+        self._resumed_without_lr_reference = False  # set by load_state_dict, cleared at the first scheduled LR
 
     # ------------------------------------------------------------------ kappa
     @property
@@ -393,6 +401,9 @@ class BatchSizeController:
         if schedule is not None:
             self._kappa_schedule = schedule
             self._kappa_now = schedule.value_at(self._level.last_tokens)
+        # a state with no scheduled-LR reference (saved with convert_lr_decay=False, the earlier
+        # default, or without a scheduled LR): its halvings count from the scheduled LR at resume
+        self._resumed_without_lr_reference = self._level.started and self._conversion.reference == 0.0
 
     # ------------------------------------------------------------ properties
     @property
@@ -514,6 +525,7 @@ class BatchSizeController:
             self._guard.anchor(median, tokens)
         planned_exp = self._plan.exponent_at(tokens, self._plan_top_level)
         if self.convert_lr_decay:
+            self._warn_resumed_without_lr_reference(scheduled_lr)
             self._conversion.observe(scheduled_lr)
         return _Now(
             step=step, tokens=tokens, measured=measured,
@@ -522,6 +534,20 @@ class BatchSizeController:
             critical=self._rules.clip(self.kappa * float(noise_scale)) if measured else None,  # type: ignore[arg-type]
             median=median, planned_exp=planned_exp,
             planned=None if planned_exp is None else self._plan.batch_at(planned_exp),
+        )
+
+    def _warn_resumed_without_lr_reference(self, scheduled_lr: float | None) -> None:
+        if not self._resumed_without_lr_reference or scheduled_lr is None or scheduled_lr <= 0:
+            return
+        self._resumed_without_lr_reference = False
+        warnings.warn(
+            "BatchSizeController(convert_lr_decay=True) resumed a state that holds no scheduled learning rate "
+            "(saved with convert_lr_decay=False, as the defaults were before kappa=0.4 with conversion, or "
+            f"by a run that passed none): halvings of the scheduled LR now count from {scheduled_lr:.4g}, its "
+            "value at resume. The configuration is not saved; to resume a run of the earlier defaults as it "
+            "ran, build the controller with kappa=0.5, convert_lr_decay=False.",
+            UserWarning,
+            stacklevel=4,
         )
 
     def _hold(self, now: _Now, reason: str) -> Decision:
