@@ -91,6 +91,24 @@ def test_a_rising_kappa_rule_interpolates_over_the_budget_and_converts(frontier,
     assert controller.convert_lr_decay
 
 
+def test_the_kappa_tables_best_rule_is_the_most_steps_saved_among_rules_that_keep_the_loss(frontier, tmp_path):
+    """The best rule beside the kappa is the one saving most steps with the upper end of its interval at most
+    +0.005 nats, not the one with the lowest mean or the most steps saved."""
+    point = {"tokens": 1000, "noise_scale": 500.0, "kappa": 0.5,
+             "critical": {"low": 256, "high": 512, "resolved": True}}
+    for kind in ("uncooled", "cooled"):
+        (tmp_path / f"calibration_{kind}_full_seed0.json").write_text(json.dumps({"points": [point]}))
+
+    def pt(rule, mean, upper, saved):
+        return {"setting": "full", "schedule": "cosine", "rule": rule, "seeds": [0, 1], "delta_mean": mean,
+                "delta_upper90": upper, "steps_saved": saved}
+
+    pts = [pt("wide", -0.01, 0.02, 0.70), pt("keeps", 0.001, 0.004, 0.55), pt("lower", -0.02, -0.01, 0.40),
+           {**pt("wsd", -0.02, -0.01, 0.90), "schedule": "wsd"}]
+    row = frontier.kappa_table(pts, root=tmp_path).splitlines()[2]
+    assert row.endswith("| keeps: +0.0010, 55% fewer steps (2 seeds) |"), row
+
+
 def test_unknown_rules_are_refused_naming_the_choices(frontier, capsys):
     with pytest.raises(SystemExit):
         frontier.main(["--rules", "constant,kappa9"])
