@@ -128,9 +128,29 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     assert table == frontier.table(pts)
     kappas = results.split("<!-- kappa-table -->\n", 1)[1].split("\n\n", 1)[0] + "\n"
     assert kappas == frontier.kappa_table(pts) and "| prose |" in kappas  # the calibrations' own kappa
-    readme = (frontier.ROOT / "README.md").read_text().split("<!-- frontier-line -->\n", 1)[1].split("\n", 1)[0]
+    text = (frontier.ROOT / "README.md").read_text()
+    readme = text.split("<!-- frontier-line -->\n", 1)[1].split("\n", 1)[0]
     assert "frontier" in readme, readme
+    rows = [x for x in text.splitlines() if x.startswith(("| the default, cosine", "| other rules, cosine"))]
+    assert len(rows) == 2, rows  # the results table's frontier rows: their numbers are checked with the line
     deltas = {f"{p['delta_mean']:+.3f}".replace("-", "−") for p in pts}
+    uppers = {f"{p['delta_upper90']:+.3f}".replace("-", "−") for p in pts if p["delta_upper90"] is not None}
+    every = {f"{round(100 * x)}" for p in pts for x in (p["steps_saved"], *p["steps_saved_range"])}
+    by = {(p["setting"], p["schedule"], p["rule"]): p for p in pts}
+
+    def said(p):  # the mean, the upper end and the range of a point, as the README writes them
+        return (f"{p['delta_mean']:+.3f}".replace("-", "−"), f"{p['delta_upper90']:+.3f}".replace("-", "−"),
+                f"{round(100 * p['steps_saved_range'][0])}–{round(100 * p['steps_saved_range'][1])}%")
+
+    default = {s: by[(s, "cosine", "kappa0.4+convert")] for s in ("full", "prose")}  # the controller's default
+    (fm, fu, fr), (pm, pu, pr) = said(default["full"]), said(default["prose"])
+    assert f"ended {fm} nats (90% upper end {fu}) with {round(100 * default['full']['steps_saved'])}% fewer " \
+           f"optimizer steps ({fr} fewer) on the 0.45M-parameter proof GPT" in readme, readme
+    assert f"and {pm} nats ({pu}) with {round(100 * default['prose']['steps_saved'])}% fewer ({pr} fewer)" in readme
+    assert f"proof GPT {fm} nats (upper end {fu}), {fr} fewer steps; prose GPT {pm} ({pu}), {pr} fewer" in rows[0]
+    for text_ in (readme, *rows):  # every loss difference is a point's mean or upper end, every share one of its
+        assert set(re.findall(r"[+−]\d\.\d{3}", text_)) <= deltas | uppers, text_
+        assert set(re.findall(r"(\d+)%", text_)) | set(re.findall(r"(\d+)–\d+%", text_)) <= every | {"90"}, text_
     shares = {f"{round(100 * p['steps_saved'])}%" for p in pts}
     shares |= {f"{round(100 * x)}" for p in pts for x in p["steps_saved_range"]}
     stated_deltas = re.findall(r"[+−]\d\.\d{3}(?= nats)", readme)

@@ -90,26 +90,6 @@ def test_phase_ratios_against_a_hand_computed_run():
         {"global_batch": 2, "from_tokens": 4, "to_tokens": 8, "vs_constant": 0.5}]
 
 
-def test_readme_kappa_figures_are_the_paired_report_over_four_cosine_seeds():
-    """The README's kappa figures (paired over four cosine seeds against constant 512), from the report
-    that tests/test_calibration_claims.py ties to the runs' own results files."""
-    rep = json.loads((ROOT / "docs" / "proof_measured_results.json").read_text())["summary"]
-    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("| κ under cosine, seed 0–3"))
-
-    def fmt(x: float) -> str:
-        return f"{x:+.3f}".replace("-", "−")
-
-    def steps(key: str) -> str:
-        return f"{rep[key]['fewer_steps_min']:.0%}–{rep[key]['fewer_steps_max']:.0%}".replace("%–", "–")
-
-    k05, k04, km = rep["tracker_default"], rep["tracker_kappa04"], rep["tracker_measured"]
-    assert all(len(r["seeds"]) == 4 for r in (k05, k04, km))
-    assert f"κ = 0.5 (default): {fmt(k05['vs_constant']['mean'])} nats, {steps('tracker_default')} fewer steps" in line
-    assert (f"κ = 0.4: {fmt(k04['vs_constant']['mean'])} (90% upper end {fmt(k04['vs_constant']['upper90'])}), "
-            f"{steps('tracker_kappa04')}") in line
-    assert f"κ measured by branches: {fmt(km['vs_constant']['mean'])}, {steps('tracker_measured')}" in line
-
-
 def test_readme_accumulation_only_range_is_what_the_runs_wrote():
     rows = [row for name in ("proof_mbfirst_wallclock.json", "proof_seeds_wallclock.json")
             for row in json.loads((ROOT / "docs" / name).read_text())]
