@@ -148,6 +148,9 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
            f"optimizer steps ({fr} fewer) on the 0.45M-parameter proof GPT" in readme, readme
     assert f"and {pm} nats ({pu}) with {round(100 * default['prose']['steps_saved'])}% fewer ({pr} fewer)" in readme
     assert f"proof GPT {fm} nats (upper end {fu}), {fr} fewer steps; prose GPT {pm} ({pu}), {pr} fewer" in rows[0]
+    wf, wp = said(by[("full", "wsd", "kappa0.4+convert")]), said(by[("prose", "wsd", "kappa0.4+convert")])
+    assert (f"under warmup-stable-decay it ended {wf[0]} nats (upper end {wf[1]}) on the proof GPT and {wp[0]} ({wp[1]}) "
+            "on prose") in text  # the README's known limits
     for text_ in (readme, *rows):  # every loss difference is a point's mean or upper end, every share one of its
         assert set(re.findall(r"[+−]\d\.\d{3}", text_)) <= deltas | uppers, text_
         assert set(re.findall(r"(\d+)%", text_)) | set(re.findall(r"(\d+)–\d+%", text_)) <= every | {"90"}, text_
