@@ -766,6 +766,11 @@ class LoopTracker:
                 proposed_every=key[4],
             )
             self._last_count = (sizes, key, stats) if faults is None else None
+        return self._finish_counted_window(stats, faults)
+
+    def _finish_counted_window(self, stats: StepStats | None, faults: Any, deferred: Any = None) -> StepRecord:
+        """The end of a counted window (:meth:`_step_counted`, :meth:`_step_deferred`): reset it, advance the
+        position, and let the session write the record."""
         if self.collector.labels_changed:
             self._warn_labels_changed()
         self.collector.reset_window()
@@ -773,7 +778,7 @@ class LoopTracker:
         self._window_index = 0
         self._step_norm = None
         session = self.session
-        record = session.finish_counted(stats, faults, window_accumulation=self._window_divisor)
+        record = session.finish_counted(stats, faults, window_accumulation=self._window_divisor, deferred=deferred)
         # the next window starts as this one did when nothing its start reads has moved: not measured, no
         # change of the batch pending, and its step() counted as this one's (counted_step_ready: no clock due,
         # the _lean its start would set); windows() and load_state_dict() start theirs in full
@@ -801,20 +806,7 @@ class LoopTracker:
             return count_sizes(sizes, loss_divisor=key[0], avg_ranks=key[1], expected_microbatches=key[2],
                                normalization=key[3], proposed_every=key[4])[0]
 
-        if self.collector.labels_changed:
-            self._warn_labels_changed()
-        self.collector.reset_window()
-        self._batches_done += self._window_index * self.session.micro_group
-        self._window_index = 0
-        self._step_norm = None
-        session = self.session
-        record = session.finish_counted(None, faults, window_accumulation=self._window_divisor,
-                                        deferred=(copy, stats_of, key[4]))
-        self._fast_from = 0 if (
-            session.pending_accumulation is None and not session.cadence.measure_next()
-            and session.counted_step_ready(self._window_divisor)
-        ) else 1
-        return record
+        return self._finish_counted_window(None, faults, deferred=(copy, stats_of, key[4]))
 
     def _warn_labels_changed(self) -> None:
         self.session.warn_once(

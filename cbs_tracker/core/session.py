@@ -468,26 +468,11 @@ class TrackingSession:
             self._clock_due, self.timing = self.cadence.unmeasured_done(deferred[2])
             return record
         record = StepRecord._like(self.last_record, {  # type: ignore[arg-type]
-            "step": self.step,
             "tokens_seen": self.units_seen,
             "global_batch": stats.units,  # type: ignore[union-attr]
             "micro_batch": stats.units / max(stats.num_microbatches, 1),  # type: ignore[union-attr]
-            "accumulation_steps": self._ran_per_rank(run, window_accumulation),
-            "lr": float(groups[0]["lr"]) if groups else None,
-            "step_grad_sq_norm": None,
-            "step_trace_cov": None,
             "dropped": not stats.finite,  # type: ignore[union-attr]
-            "measured": False,
-            "next_accumulation_steps": (
-                self.pending_accumulation if self.pending_accumulation is not None else self.accumulation_steps
-            ),
-            "scheduled_lr": self.scheduled_lr(),
-            "lr_coupling": self.coupling if self.optimizer is not None else None,
-            "critical_batch": getattr(self.last_decision, "critical_batch", None),
-            "kappa": getattr(self.controller, "kappa", None),
-            "lr_conversions": (
-                None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0)
-            ),
+            **self._unmeasured_fields(run, window_accumulation, groups),
         })
         self.last_record = record
         if self.logger is not None:
@@ -496,12 +481,9 @@ class TrackingSession:
         self._clock_due, self.timing = self.cadence.unmeasured_done(stats.proposed_every)  # type: ignore[union-attr]
         return record
 
-    def _deferred_record(self, deferred: tuple[Any, Callable[[list[float]], StepStats], float], run: int,
-                         window_accumulation: int, groups: Any) -> StepRecord:
-        """:meth:`finish_counted`'s record of a window whose sizes are on their way: every field but the four
-        the units make, which :meth:`_fill` writes (and the record is logged then)."""
-        window = _Deferred(deferred[0], deferred[1], self)
-        record = StepRecord._like(self.last_record, {  # type: ignore[arg-type]
+    def _unmeasured_fields(self, run: int, window_accumulation: int, groups: Any) -> dict[str, Any]:
+        """The fields of a window not measured's record that its units do not make."""
+        return {
             "step": self.step,
             "accumulation_steps": self._ran_per_rank(run, window_accumulation),
             "lr": float(groups[0]["lr"]) if groups else None,
@@ -518,6 +500,15 @@ class TrackingSession:
             "lr_conversions": (
                 None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0)
             ),
+        }
+
+    def _deferred_record(self, deferred: tuple[Any, Callable[[list[float]], StepStats], float], run: int,
+                         window_accumulation: int, groups: Any) -> StepRecord:
+        """:meth:`finish_counted`'s record of a window whose sizes are on their way: every field but the four
+        the units make, which :meth:`_fill` writes (and the record is logged then)."""
+        window = _Deferred(deferred[0], deferred[1], self)
+        record = StepRecord._like(self.last_record, {  # type: ignore[arg-type]
+            **self._unmeasured_fields(run, window_accumulation, groups),
             "_tokens": window,
         })
         values = record.__dict__
