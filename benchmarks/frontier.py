@@ -63,6 +63,8 @@ RULES = {
     "measured": "tracker_measured",
     "cooled": "tracker_cooled",
     "hand_ramp": "hand_ramp",
+    "eff0.08": "tracker_eff008",
+    "eff0.12": "tracker_eff012",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 DOC = ROOT / "docs" / "frontier.json"

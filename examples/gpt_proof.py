@@ -149,11 +149,40 @@ PROSE = Setting(
     constant_tokens=256,
 )
 
+#: A third setting unlike both, so that no growth rule is judged only on the settings that chose it: a
+#: synthetic language of known structure (:func:`word_chain_corpus`: words of 2-8 letters from a
+#: 512-word vocabulary, chained by a sparse random bigram table, sentences ended at random), a deeper
+#: and narrower GPT (4 layers x 64), a quarter of the proof's context (32), a higher peak LR (3e-3) and
+#: 128-token starting batches, 1.5M tokens. Its entropy rate is known exactly (``word_chain_entropy``).
+SYNTH = Setting(
+    name="synth",
+    budget_tokens=3 * 2**19,
+    seq_len=32,
+    n_layer=4,
+    d_model=64,
+    n_head=4,
+    lr=3e-3,
+    min_lr_ratio=0.1,
+    warmup_tokens=60_000,
+    weight_decay=0.1,
+    clip=1.0,
+    micro_sequences=2,
+    tracker_micro_sequences=2,
+    tracker_start_tokens=128,
+    constants=(128,),
+    ramp=((512, 0.5), (1024, 0.25), (2048, 0.15), (4096, 0.10)),
+    eval_every_tokens=65_536,
+    eval_sequences=1024,
+    corpus_max_bytes=None,
+    corpus="synth",
+    constant_tokens=128,
+)
+
 #: A seconds-long setting whose starting batch is the constant 512 of the frontier's runs (tests).
 TINY = replace(QUICK, name="tiny", budget_tokens=65_536, tracker_start_tokens=512, constants=(512,),
                ramp=((1024, 0.5), (2048, 0.5)))
 
-SETTINGS = {s.name: s for s in (FULL, QUICK, PROSE, TINY)}
+SETTINGS = {s.name: s for s in (FULL, QUICK, PROSE, SYNTH, TINY)}
 
 
 def load_setting_corpus(setting: Setting) -> Any:
@@ -164,7 +193,101 @@ def load_setting_corpus(setting: Setting) -> Any:
         return load_corpus(setting.corpus_max_bytes)
     if setting.corpus == "docs":
         return load_docstrings()
-    raise ValueError(f"Setting(corpus={setting.corpus!r}): expected 'code' or 'docs'")
+    if setting.corpus == "synth":
+        return word_chain_corpus()
+    raise ValueError(f"Setting(corpus={setting.corpus!r}): expected 'code', 'docs' or 'synth'")
+
+
+#: the word-chain language: vocabulary, successors per word, probability that a word ends its sentence
+WORDS, SUCCESSORS, END_P = 512, 16, 0.1
+
+
+def _word_chain_tables(seed: int = 20261205) -> tuple[list[bytes], Any, Any, Any]:
+    """The language's words, each word's successors and their probabilities, and the sentence-start
+    distribution (numpy's PCG64 ``random()`` stream only, so the tables are the same on every machine)."""
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(seed))
+    words: list[bytes] = []
+    seen: set[bytes] = set()
+    while len(words) < WORDS:
+        length = 2 + int(rng.random() * 7)  # 2..8 letters
+        word = bytes(97 + int(rng.random() * 26) for _ in range(length))
+        if word not in seen:
+            seen.add(word)
+            words.append(word)
+    zipf = 1.0 / np.arange(1, WORDS + 1) ** 1.1
+    start = zipf / zipf.sum()  # sentence starts and the pool successors are drawn from
+    succ = np.empty((WORDS, SUCCESSORS), dtype=np.int64)
+    probs = np.empty((WORDS, SUCCESSORS))
+    cdf = np.cumsum(start)
+    for w in range(WORDS):
+        chosen: list[int] = []
+        while len(chosen) < SUCCESSORS:
+            v = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+            if v not in chosen:
+                chosen.append(v)
+        weights = -np.log(1.0 - rng.random(SUCCESSORS))  # Dirichlet(1): sparse-ish rows
+        weights = weights ** 2  # sharper: a few likely successors per word
+        succ[w], probs[w] = chosen, weights / weights.sum()
+    return words, succ, probs, start
+
+
+def word_chain_entropy() -> float:
+    """The language's entropy rate in nats per byte: the loss no model can beat.
+
+    Given the current word, the next (separator, word) pair has probabilities ``(1 - END_P) p(v | w)``
+    (a space) and ``END_P start(v)`` (``".\n"``); letters inside a word are then determined. The rate
+    is the stationary mean of that entropy over the stationary mean of bytes per word.
+    """
+    import numpy as np
+
+    words, succ, probs, start = _word_chain_tables()
+    transition = np.zeros((WORDS, WORDS))
+    for w in range(WORDS):
+        transition[w] += END_P * start
+        np.add.at(transition[w], succ[w], (1 - END_P) * probs[w])
+    pi = np.full(WORDS, 1.0 / WORDS)
+    for _ in range(2000):
+        pi = pi @ transition
+    space = (1 - END_P) * probs
+    ent = -(space * np.log(space)).sum(1) - (END_P * start * np.log(END_P * start)).sum()
+    length = np.array([len(x) for x in words], dtype=float) + (1 - END_P) * 1 + END_P * 2
+    return float(pi @ ent / (pi @ length))
+
+
+@functools.lru_cache(maxsize=1)
+def word_chain_corpus(num_bytes: int = 4 * 2**20, val_fraction: float = 0.01) -> Any:
+    """``num_bytes`` of the word-chain language (a fixed stream: the same bytes on every machine).
+
+    The training split and the held-out split are one continuous text cut at its last ``val_fraction``.
+    """
+    import numpy as np
+
+    from cbs_tracker.demo.corpus import Corpus
+
+    words, succ, probs, start = _word_chain_tables()
+    rng = np.random.Generator(np.random.PCG64(7))
+    cdfs = np.cumsum(probs, axis=1).tolist()
+    start_cdf = np.cumsum(start).tolist()
+    import bisect
+
+    out = bytearray()
+    w = bisect.bisect_right(start_cdf, rng.random() * start_cdf[-1])
+    draws = iter(rng.random(2 * num_bytes).tolist())
+    while len(out) < num_bytes:
+        out += words[w]
+        if next(draws) < END_P:
+            out += b".\n"
+            w = min(bisect.bisect_right(start_cdf, next(draws) * start_cdf[-1]), WORDS - 1)
+        else:
+            out += b" "
+            row = cdfs[w]
+            w = int(succ[w][min(bisect.bisect_right(row, next(draws) * row[-1]), SUCCESSORS - 1)])
+    data = np.frombuffer(bytes(out[:num_bytes]), dtype=np.uint8)
+    split = data.size - int(math.floor(val_fraction * data.size))
+    data.setflags(write=False)
+    return Corpus(train=data[:split], val=data[split:], num_files=0, root="synthetic word chain")
 
 SCHEDULES = ("constant", "hand_ramp", "tracker_default", "tracker_budget")
 

@@ -54,13 +54,17 @@ import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation
 SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
              "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04", "tracker_measured",
              "tracker_kappaNN", "tracker_kappaNN_convert",
-             "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled")
+             "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
+             "tracker_effNNN")
 #: ``tracker_kappa03``, ``tracker_kappa07``, ...: the default controller at ``kappa = NN / 10``;
 #: ``tracker_kappa04_convert``: the same with ``convert_lr_decay=True``
 _KAPPA_RUN = re.compile(r"tracker_kappa(\d)(\d)(_convert)?")
 #: ``tracker_kappa04_08_convert``: ``kappa`` rising linearly in tokens from 0.4 at the start to 0.8 at the
 #: budget's end (a ``KappaSchedule`` of two points), with or without the conversion
 _KAPPA_RAMP_RUN = re.compile(r"tracker_kappa(\d)(\d)_(\d)(\d)(_convert)?")
+#: ``tracker_eff008``: growth spending an efficiency budget of 0.08 of the run's tokens (``efficiency_budget``,
+#: ``total_tokens`` the setting's budget), no LR-decay conversion
+_EFF_RUN = re.compile(r"tracker_eff(\d)(\d\d)")
 #: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
 COOLED_KAPPA = {name: Path(__file__).resolve().parents[1] / "docs" / f"calibration_cooled_{name}_seed0.json"
                 for name in ("full", "prose")}
@@ -158,6 +162,11 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController(kappa=measured_kappa(), convert_lr_decay=False)
     if run.schedule == "tracker_cooled":
         return BatchSizeController(kappa=measured_kappa(COOLED_KAPPA[setting.name]), convert_lr_decay=False)
+    eff_run = _EFF_RUN.fullmatch(run.schedule)
+    if eff_run is not None:
+        budget = int(eff_run.group(1)) + int(eff_run.group(2)) / 100
+        return BatchSizeController(efficiency_budget=budget, total_tokens=setting.budget_tokens,
+                                   convert_lr_decay=False)
     ramp_run = _KAPPA_RAMP_RUN.fullmatch(run.schedule)
     if ramp_run is not None:
         from cbs_tracker.policy.kappa import KappaSchedule

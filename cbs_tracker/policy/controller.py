@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from cbs_tracker.policy._state import StateReader
 from cbs_tracker.policy.conversion import LRDecayConversion
+from cbs_tracker.policy.efficiency import EfficiencyBudget
 from cbs_tracker.policy.guard import FeedbackGuard
 from cbs_tracker.policy.kappa import KappaSchedule, parse_kappa
 from cbs_tracker.policy.level import BatchLevel
@@ -186,6 +187,15 @@ class BatchSizeController:
         conversion_kappa: the conversions' bound as a multiple of the measured noise
             scale (default 1: ``B_simple`` itself, above the ``kappa * B_simple`` that
             growth follows, so that a halving has room to convert).
+        efficiency_budget: with ``total_tokens``, growth spends a budget of token efficiency
+            in place of the ``kappa`` threshold (:mod:`cbs_tracker.policy.efficiency`): a
+            doubling ``B -> 2B`` is taken when ``2B <= B_simple`` and the LR-weighted share of
+            the run's tokens lost to batches above the starting one (McCandlish's
+            ``(B - B0) / (B_simple + B)``), spent so far plus projected for the rest of the run
+            at ``2B``, stays at or below ``efficiency_budget`` (for ``patience`` measurements in
+            a row). ``None`` (default): the ``kappa`` rule. In ``(0, 1]``.
+        total_tokens: the run's length in units, for ``efficiency_budget`` (``None``: unknown;
+            the ``kappa`` rule decides).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -220,9 +230,16 @@ class BatchSizeController:
         plan_floor_ratio: float = 0.5,
         convert_lr_decay: bool = True,
         conversion_kappa: float = 1.0,
+        efficiency_budget: float | None = None,
+        total_tokens: float | None = None,
     ) -> None:
         self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
         _check_number("conversion_kappa", conversion_kappa)
+        _check_number("efficiency_budget", efficiency_budget, allow_none=True)
+        _check_number("total_tokens", total_tokens, allow_none=True)
+        if efficiency_budget is not None and efficiency_budget > 1.0:
+            raise ValueError(f"BatchSizeController(efficiency_budget={efficiency_budget!r}): must be in (0, 1] "
+                             "(the share of the run's tokens growth may lose)")
         _check_number("min_batch", min_batch, allow_none=True)
         _check_number("max_batch", max_batch, allow_none=True)
         _check_number("margin", margin, allow_zero=True)
@@ -292,11 +309,14 @@ class BatchSizeController:
         self.plan_floor_ratio = float(plan_floor_ratio)
         self.convert_lr_decay = convert_lr_decay
         self.conversion_kappa = float(conversion_kappa)
+        self.efficiency_budget = None if efficiency_budget is None else float(efficiency_budget)
+        self.total_tokens = None if total_tokens is None else float(total_tokens)
         self._level = BatchLevel()
         self._rules = GrowthRules(self)
         self._guard = FeedbackGuard(self)
         self._plan = BudgetPlan(self)
         self._conversion = LRDecayConversion()
+        self._efficiency = EfficiencyBudget(self)
         self._resumed_without_lr_reference = False  # set by load_state_dict, cleared at the first scheduled LR
 
     # ------------------------------------------------------------------ kappa
@@ -331,7 +351,7 @@ class BatchSizeController:
 
     # ------------------------------------------------------------------ state
     def _parts(self) -> tuple[Any, ...]:
-        return (self._level, self._rules, self._guard, self._plan, self._conversion)
+        return (self._level, self._rules, self._guard, self._plan, self._conversion, self._efficiency)
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's resumable state: fixed keys, plain numbers, a ``"version"``.
@@ -505,6 +525,8 @@ class BatchSizeController:
             self._guard.new_level()
         now = self._measure(step, float(tokens_seen), noise_scale, noise_scale_low, noise_scale_high,
                             scheduled_lr)
+        if self._efficiency.active:
+            self._efficiency.observe(now.tokens, float(global_batch), self._level.batch(0), now.median, scheduled_lr)
         for rule in (self._wait_or_follow_plan, self._check_last_doubling, self._convert_lr_halving):
             decision = rule(now)
             if decision is not None:
@@ -642,7 +664,7 @@ class BatchSizeController:
         batch = level.batch()
         grow_at, shrink_at = rules.thresholds(batch)
         if now.measured:  # patience counts measurements; a step without one changes nothing
-            rules.count(batch, now.low, now.high)
+            rules.count(batch, now.low, now.high, grow=self._efficiency_allows(now, 2 * batch))
         waiting = rules.waiting(level, now.tokens)
         if waiting is not None:
             return self._hold(now, waiting)
@@ -654,10 +676,17 @@ class BatchSizeController:
             why_not = rules.why_not_grow(level)
             if why_not is not None:
                 return self._hold(now, why_not)
+            if self._efficiency.active:
+                spent = self._efficiency.projected(now.tokens, 2 * batch, level.batch(0), now.median,  # type: ignore[arg-type]
+                                                   now.scheduled_lr)
+                why = (f"efficiency budget: {spent:.4g} units lost by the end at {2 * batch:.4g} "
+                       f"<= {self.efficiency_budget:g} x {self.total_tokens:.4g}, and {2 * batch:.4g} <= the "
+                       f"median noise scale {now.median:.4g}")
+            else:
+                why = f"critical batch {target:.4g} >= {grow_at:.4g}"
             return self._change_to(
                 level.exponent + 1, now,
-                f"grow {batch:.4g} -> {2 * batch:.4g}: critical batch {target:.4g} >= {grow_at:.4g} "
-                f"for {self.patience} measurements",
+                f"grow {batch:.4g} -> {2 * batch:.4g}: {why} for {self.patience} measurements",
                 measured_doubling=True,
             )
         if rules.wants_shrink and rules.why_not_shrink(level) is None and (
@@ -673,6 +702,15 @@ class BatchSizeController:
             if why_not is not None:
                 return self._hold(now, why_not)
         return self._hold(now, "hold")
+
+    def _efficiency_allows(self, now: _Now, doubled: float) -> bool | None:
+        """The efficiency budget's growth test (``None`` while the rule is inactive: the ``kappa`` rule)."""
+        if not self._efficiency.active:
+            return None
+        if now.median is None:
+            return False
+        return self._efficiency.allows(now.tokens, self._rules.clip(doubled), self._level.batch(0), now.median,
+                                       now.scheduled_lr)
 
     # ------------------------------------------------------------- arguments
     def _check_start(self, global_batch: float, accumulation_steps: int) -> None:

@@ -101,11 +101,15 @@ class GrowthRules:
             shrink_at = max(shrink_at, s.min_batch * (1 + _TOL))
         return grow_at, shrink_at
 
-    def count(self, batch: float, low: float | None, high: float | None) -> None:
-        """One measurement more (``low``/``high``: its interval, if any): extend or reset the patience counts."""
+    def count(self, batch: float, low: float | None, high: float | None, *, grow: bool | None = None) -> None:
+        """One measurement more (``low``/``high``: its interval, if any): extend or reset the patience counts.
+
+        ``grow``: another rule's verdict on a doubling (the efficiency budget); ``None``: the ``kappa`` rule's.
+        """
         grow_at, shrink_at = self.thresholds(batch)
         kappa, med = self.settings.kappa, self.median()
-        grow = self.supports(grow_at, low)
+        if grow is None:
+            grow = self.supports(grow_at, low)
         shrink = med is not None and self.clip(kappa * med) < shrink_at and (
             high is None or self.clip(kappa * high) < shrink_at)
         self.grow_count = self.grow_count + 1 if grow else 0
