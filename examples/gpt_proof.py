@@ -153,10 +153,10 @@ PROSE = Setting(
 #: synthetic language of known structure (:func:`word_chain_corpus`: words of 2-8 letters from a
 #: 512-word vocabulary, chained by a sparse random bigram table, sentences ended at random), a deeper
 #: and narrower GPT (4 layers x 64), a quarter of the proof's context (32), a higher peak LR (3e-3) and
-#: 128-token starting batches, 1.5M tokens. Its entropy rate is known exactly (``word_chain_entropy``).
+#: 128-token starting batches, 1M tokens. Its entropy rate is known exactly (``word_chain_entropy``).
 SYNTH = Setting(
     name="synth",
-    budget_tokens=3 * 2**19,
+    budget_tokens=2**20,
     seq_len=32,
     n_layer=4,
     d_model=64,
@@ -172,7 +172,7 @@ SYNTH = Setting(
     constants=(128,),
     ramp=((512, 0.5), (1024, 0.25), (2048, 0.15), (4096, 0.10)),
     eval_every_tokens=65_536,
-    eval_sequences=1024,
+    eval_sequences=512,
     corpus_max_bytes=None,
     corpus="synth",
     constant_tokens=128,

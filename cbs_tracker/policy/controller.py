@@ -677,7 +677,8 @@ class BatchSizeController:
             if why_not is not None:
                 return self._hold(now, why_not)
             if self._efficiency.active:
-                spent = self._efficiency.projected(now.tokens, 2 * batch, level.batch(0), now.median,  # type: ignore[arg-type]
+                low = now.median if now.low is None else min(now.median, now.low)  # type: ignore[type-var]
+                spent = self._efficiency.projected(now.tokens, 2 * batch, level.batch(0), low,  # type: ignore[arg-type]
                                                    now.scheduled_lr)
                 why = (f"efficiency budget: {spent:.4g} units lost by the end at {2 * batch:.4g} "
                        f"<= {self.efficiency_budget:g} x {self.total_tokens:.4g}, and {2 * batch:.4g} <= the "
@@ -709,8 +710,12 @@ class BatchSizeController:
             return None
         if now.median is None:
             return False
-        return self._efficiency.allows(now.tokens, self._rules.clip(doubled), self._level.batch(0), now.median,
-                                       now.scheduled_lr)
+        # the projection at the interval's lower end (a noise scale that read high by chance commits the rest
+        # of the run); the ceiling at the median
+        low = now.median if now.low is None else min(now.median, now.low)
+        batch = self._rules.clip(doubled)
+        return batch <= now.median and self._efficiency.allows(now.tokens, batch, self._level.batch(0), low,
+                                                               now.scheduled_lr)
 
     # ------------------------------------------------------------- arguments
     def _check_start(self, global_batch: float, accumulation_steps: int) -> None:

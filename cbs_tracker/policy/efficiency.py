@@ -9,13 +9,14 @@ counts the waste weighted by the scheduled LR over its peak::
     W = sum over steps of  tokens * w(B) * lr / lr_peak
 
 and allows a doubling ``B -> 2B`` at ``t`` tokens of a run of ``T`` when the waste so far plus the
-waste of running at ``2B`` for the rest of the run, at today's noise scale and LR, fits the budget::
+waste of running at ``2B`` for the rest of the run, at today's LR and the lower end of today's noise scale
+(its 90% interval), fits the budget::
 
     W + (T - t) * w(2B) * lr / lr_peak  <=  budget * T
 
 The projection shrinks with the tokens left, so on a noise scale that plateaus a doubling comes at a
 point that moves smoothly with ``budget`` (a threshold ``kappa * B_simple >= 2B`` on a plateau grows
-either at once or never). A doubling never goes past ``B_simple`` itself. Pure: no torch.
+either at once or never). A doubling never goes past the median ``B_simple`` itself. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -83,10 +84,8 @@ class EfficiencyBudget:
 
     def allows(self, tokens: float, batch: float, start: float, noise_scale: float,
                scheduled_lr: float | None) -> bool:
-        """``batch`` is at most the noise scale and its projected waste fits the budget."""
+        """The projected waste of ``batch`` (at ``noise_scale``) fits the budget."""
         s = self.settings
-        if batch > noise_scale:
-            return False
         return self.projected(tokens, batch, start, noise_scale, scheduled_lr) <= (
             s.efficiency_budget * s.total_tokens)
 
