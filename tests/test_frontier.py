@@ -161,3 +161,17 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     assert stated_deltas and stated_shares
     assert set(stated_deltas) <= deltas, (stated_deltas, deltas)
     assert {s.rstrip("%") for s in stated_shares} <= {s.rstrip("%") for s in shares}, (stated_shares, shares)
+
+
+def test_the_default_rule_is_the_librarys_default_controller_and_only_its_points_are_marked(frontier):
+    """``DEFAULT_RULE`` trains with ``BatchSizeController()`` as a user gets it (same public settings), and the
+    points mark it and nothing else as the default."""
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    setting = frontier.base.SETTINGS["full"]
+    run = frontier.proof_lr.Run(frontier.RULES[frontier.DEFAULT_RULE], 0, "cosine")
+    made = frontier.base.controller_config(frontier.proof_lr.make_controller(run, setting))
+    assert made == frontier.base.controller_config(BatchSizeController())
+    runs = [_run("constant", 0, 1.3, 100), _run(frontier.DEFAULT_RULE, 0, 1.31, 50), _run("kappa0.5", 0, 1.2, 40)]
+    marked = {p["rule"]: p["default"] for p in frontier.points(runs)}
+    assert marked == {frontier.DEFAULT_RULE: True, "kappa0.5": False}
