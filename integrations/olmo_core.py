@@ -186,7 +186,7 @@ class CBSOlmoCallback(Callback):
             self.load_state_dict(state)
 
     def _check_configuration(self, trainer: Any, module: Any) -> None:
-        from olmo_core.train.callbacks import BatchSizeSchedulerCallback, CheckpointerCallback
+        from olmo_core.train.callbacks import BatchSizeSchedulerCallback
         from olmo_core.train.train_module import TransformerTrainModule
 
         if not isinstance(module, TransformerTrainModule):
@@ -203,14 +203,7 @@ class CBSOlmoCallback(Callback):
                     "controller=BatchSchedule([(tokens, batch), ...]) (measured as well), or disable it "
                     "(enabled=False)."
                 )
-        if cbs_dist.is_distributed() and torch.distributed.get_backend() == "gloo":
-            for name, cb in trainer.callbacks.items():
-                if isinstance(cb, CheckpointerCallback) and cb.enabled and cb.save_async is not False:
-                    raise RuntimeError(
-                        f"CBSOlmoCallback: callbacks[{name!r}] is CheckpointerCallback(save_async={cb.save_async!r}) "
-                        "on the gloo backend, where OLMo-core's asynchronous checkpoint hangs (None means True "
-                        "on a backend with CPU support). Pass CheckpointerCallback(save_async=False)."
-                    )
+        self._check_async_checkpoint(trainer, module)
         optim = module.optim
         if optim is None:
             raise RuntimeError("CBSOlmoCallback: the train module has no optimizer (eval_only=True)")
@@ -244,6 +237,25 @@ class CBSOlmoCallback(Callback):
                     f"max_duration={trainer.max_duration}, which counts {trainer.max_duration.unit}: OLMo-core "
                     "converts it to tokens at the current batch, so the schedule's end would move as the batch "
                     "grows. Give max_duration in tokens (Duration.tokens(...)) or the scheduler's t_max."
+                )
+
+    def _check_async_checkpoint(self, trainer: Any, module: Any) -> None:
+        """Refuse an asynchronous ``CheckpointerCallback`` where the training device's tensors go through gloo."""
+        from olmo_core.train.callbacks import CheckpointerCallback
+
+        if not cbs_dist.is_distributed():
+            return
+        backend = str(torch.distributed.get_backend())
+        device = torch.device(getattr(module, "device", None) or "cpu")
+        if _backend_for(backend, device) != "gloo":
+            return
+        for name, cb in trainer.callbacks.items():
+            if isinstance(cb, CheckpointerCallback) and cb.enabled and cb.save_async is not False:
+                raise RuntimeError(
+                    f"CBSOlmoCallback: callbacks[{name!r}] is CheckpointerCallback(save_async={cb.save_async!r}) "
+                    f"on the backend {backend!r}, whose {device.type} tensors go through gloo, where OLMo-core's "
+                    "asynchronous checkpoint hangs at the save a SIGTERM asks for (None means True on a backend "
+                    "with CPU support). Pass CheckpointerCallback(save_async=False)."
                 )
 
     def _check_plan(self, start: int, slot: int) -> None:
@@ -539,3 +551,22 @@ class CBSOlmoCallback(Callback):
     def close(self) -> None:
         self._in_step = False
         self._open = False
+
+
+def _backend_for(backend: str, device: torch.device) -> str:
+    """The backend of a ``torch.distributed.get_backend()`` string that carries ``device``'s tensors.
+
+    ``"gloo"`` (one backend for every device), ``"cpu:gloo"`` and ``"cpu:gloo,cuda:nccl"`` (a backend per
+    device type, as OLMo-core's ``prepare_training_environment`` sets them) all give ``"gloo"`` on the CPU;
+    the last gives ``"nccl"`` on a CUDA device. ``""`` when the string names none for that device.
+    """
+    default = ""
+    for part in str(backend).lower().split(","):
+        part = part.strip()
+        if ":" in part:
+            kind, name = (x.strip() for x in part.split(":", 1))
+            if kind == device.type:
+                return name
+        elif part:
+            default = part
+    return default

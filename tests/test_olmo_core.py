@@ -356,3 +356,44 @@ def test_growth_under_a_duration_in_steps_warns_once_that_the_run_trains_more_to
     assert len(messages) == 1 and "Duration.tokens" in messages[0] and "2x the starting batch" in messages[0]
     messages, trained = warned["tokens"]
     assert messages == [] and trained == STEPS * 4 * ow.SEQ
+
+
+# ---------------------------------------------------------------------------- the asynchronous checkpoint
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"])
+def test_an_async_checkpointer_is_refused_on_each_backend_string_that_puts_the_cpu_on_gloo(monkeypatch, backend):
+    """OLMo-core's ``prepare_training_environment`` names a backend per device (``"cpu:gloo,cuda:nccl"`` by
+    default, ``"cpu:gloo"`` on a CPU-only machine); ``get_backend()`` returns that string, not ``"gloo"``."""
+    from types import SimpleNamespace
+
+    import cbs_tracker.integrations.olmo_core as oc
+    from olmo_core.train.callbacks import CheckpointerCallback
+
+    from cbs_tracker import CBSOlmoCallback
+
+    monkeypatch.setattr(oc.cbs_dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a, **k: backend)
+    cbs = CBSOlmoCallback()
+    on_cpu = SimpleNamespace(device=torch.device("cpu"))
+    for save_async in (None, True):
+        trainer = SimpleNamespace(callbacks={"ckpt": CheckpointerCallback(save_async=save_async)})
+        with pytest.raises(RuntimeError, match=rf"callbacks\['ckpt'\].*save_async={save_async}.*{backend!r}.*"
+                           r"save_async=False"):
+            cbs._check_async_checkpoint(trainer, on_cpu)
+    cbs._check_async_checkpoint(SimpleNamespace(callbacks={"ckpt": CheckpointerCallback(save_async=False)}), on_cpu)
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    trainer = SimpleNamespace(callbacks={"ckpt": CheckpointerCallback()})
+    if backend == "cpu:gloo,cuda:nccl" or backend == "cuda:nccl,cpu:gloo":  # CUDA tensors go through NCCL
+        cbs._check_async_checkpoint(trainer, on_cuda)
+    elif backend == "gloo":  # gloo for every device
+        with pytest.raises(RuntimeError, match="save_async=False"):
+            cbs._check_async_checkpoint(trainer, on_cuda)
+
+
+def test_the_backend_of_each_device_is_read_from_the_string():
+    from cbs_tracker.integrations.olmo_core import _backend_for
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [_backend_for(b, cpu) for b in ("gloo", "cpu:gloo", "cpu:gloo,cuda:nccl", "nccl", "cuda:nccl")] == [
+        "gloo", "gloo", "gloo", "nccl", ""]
+    assert [_backend_for(b, cuda) for b in ("gloo", "cpu:gloo", "cpu:gloo,cuda:nccl", "nccl")] == [
+        "gloo", "", "nccl", "nccl"]
