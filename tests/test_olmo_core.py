@@ -152,7 +152,11 @@ def test_noise_scale_equals_the_plain_loops_on_the_same_data(grown):
     assert compared >= STEPS - 2
 
 
-def test_a_checkpoint_after_growth_resumes_at_the_grown_batch_with_the_same_lr_and_steps(grown, tmp_path):
+def test_a_checkpoint_after_growth_resumes_at_the_grown_batch_with_the_same_lr_and_steps(grown, tmp_path, caplog):
+    """Also: after the load the callback logs one line with the batch, the accumulation and the LR it restored
+    (OLMo-core's own line gives the position in batches of the size the loader was built with)."""
+    import logging
+
     from cbs_tracker import CBSOlmoCallback
 
     ckpt = Path(grown["work"]) / "run" / "step8"
@@ -162,7 +166,15 @@ def test_a_checkpoint_after_growth_resumes_at_the_grown_batch_with_the_same_lr_a
     trainer = ow.build_trainer(grown["work"], callbacks={"cbs": cbs, "rec": rec}, steps=STEPS,
                                save_folder=str(tmp_path / "resumed"), load_path=str(ckpt))
     tracked = _tracked(cbs)
-    trainer.fit()
+    with caplog.at_level(logging.INFO, logger="cbs_tracker"):
+        trainer.fit()
+    restored = [r.getMessage() for r in caplog.records if "restored at step" in r.getMessage()]
+    assert len(restored) == 1, restored
+    ref = grown["tracked"][8][0]  # the uninterrupted run's step 9: its batch, accumulation and LR
+    assert ref.global_batch == 8 * ow.LOSS_TOKENS and ref.accumulation_steps == 8
+    assert (f"restored at step 8 ({GROW_AT * 4 * ow.SEQ + 2 * 8 * ow.SEQ:,d} tokens): global_batch_size "
+            f"{8 * ow.SEQ} tokens, 8 microbatches per rank on 1 rank(s) (starting 4)") in restored[0]
+    assert f"LR {ref.lr:.4g} for the next step (the schedule's x{math.sqrt(2):.4g} for the batch)" in restored[0]
     assert [s["step"] for s in rec.steps] == [9, 10]
     for mine, ref in zip(rec.steps, grown["steps"][8:]):
         assert mine["global_batch"] == ref["global_batch"] == 8 * ow.SEQ
@@ -397,3 +409,26 @@ def test_the_backend_of_each_device_is_read_from_the_string():
         "gloo", "gloo", "gloo", "nccl", ""]
     assert [_backend_for(b, cuda) for b in ("gloo", "cpu:gloo", "cpu:gloo,cuda:nccl", "nccl")] == [
         "gloo", "", "nccl", "nccl"]
+
+
+def test_the_noise_scale_and_the_batch_show_on_olmo_cores_console(tmp_path, caplog):
+    """OLMo-core's ``ConsoleLoggerCallback`` prints only the metrics it names: the callback adds its main ones,
+    and leaves a console logger that already names ``cbs/...`` metrics as it is."""
+    import logging
+
+    from cbs_tracker.integrations.olmo_core import CONSOLE_METRICS
+    from olmo_core.train.callbacks import ConsoleLoggerCallback
+
+    from cbs_tracker import CBSOlmoCallback
+
+    trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": CBSOlmoCallback(controller=None)}, steps=10,
+                               save_folder=str(tmp_path / "run"))
+    with caplog.at_level(logging.INFO, logger="olmo_core"):
+        trainer.fit()
+    printed = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("olmo_core.train.callbacks"))
+    assert f"cbs/global_batch_tokens={4 * ow.LOSS_TOKENS}.00" in printed and "cbs/noise_scale=" in printed, printed
+    assert "cbs/accumulation_steps=4.000" in printed and "cbs/noise_scale_low=" in printed
+    mine = ConsoleLoggerCallback(metrics=["train/CE loss", "cbs/*"])
+    trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": CBSOlmoCallback(controller=None), "console": mine},
+                               steps=1, save_folder=str(tmp_path / "run2"))
+    assert mine.metrics == ["train/CE loss", "cbs/*"] and not set(CONSOLE_METRICS) & set(mine.metrics)
