@@ -432,3 +432,29 @@ def test_the_noise_scale_and_the_batch_show_on_olmo_cores_console(tmp_path, capl
     trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": CBSOlmoCallback(controller=None), "console": mine},
                                steps=1, save_folder=str(tmp_path / "run2"))
     assert mine.metrics == ["train/CE loss", "cbs/*"] and not set(CONSOLE_METRICS) & set(mine.metrics)
+
+
+def test_two_cpu_gloo_ranks_stopped_by_sigterm_after_growth_resume_at_the_grown_batch_and_lr(tmp_path):
+    """OLMo-core's own backend string on a CPU machine (``prepare_training_environment(backend="cpu:gloo")``),
+    with the guide's two lines. The truth: the same run uninterrupted, step for step."""
+    spawn(ow.run_ranks, args=(2, str(tmp_path / "pg"), str(tmp_path), ["stopped_resumed"], "cpu:gloo"),
+          nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"stopped_resumed.rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["backend"] == "cpu:gloo"
+        assert rank["refused"] is not None and "'cpu:gloo'" in rank["refused"] and "save_async=False" in rank["refused"]
+        stopped, resumed, whole = (rank["runs"][n] for n in ("stopped", "resumed", "whole"))
+        # SIGTERM after step 7; the cancel is checked at step 8 (asynchronously: it may stop after step 9)
+        n = len(stopped["steps"])
+        assert stopped["canceled"] and stopped["steps"] == list(range(1, n + 1)) and 8 <= n <= 10
+        assert not resumed["canceled"] and resumed["steps"] == list(range(n + 1, 13))
+        assert whole["steps"] == list(range(1, 13)) and whole["global_batch"][6:] == [8 * ow.SEQ] * 6
+        assert stopped["global_batch"] == whole["global_batch"][:n]
+        assert resumed["global_batch"] == whole["global_batch"][n:] == [8 * ow.SEQ] * (12 - n)  # the grown batch
+        assert resumed["input_ids"] == whole["input_ids"][n:]  # the same data, neither skipped nor repeated
+        assert resumed["lr"] == pytest.approx(whole["lr"][n:], rel=1e-6)  # the grown LR (x sqrt 2) on the schedule
+        assert resumed["tokens"] == whole["tokens"]
+        assert len(resumed["restored"]) == 1 and f"global_batch_size {8 * ow.SEQ} tokens" in resumed["restored"][0]
+        assert "4 microbatches per rank on 2 rank(s) (starting 2)" in resumed["restored"][0]
+    for name in ("stopped", "resumed", "whole"):  # the ranks ran the same steps, batches and LR
+        assert all(ranks[0]["runs"][name][k] == ranks[1]["runs"][name][k] for k in ("steps", "global_batch", "lr"))
