@@ -75,16 +75,19 @@ def _clean():
     aw.reset_accelerate()
 
 
-def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True) -> dict[str, Any]:
-    """run_clm_no_trainer's setup: prepare, get_scheduler("cosine") sized in optimizer steps, the tracker."""
+def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True, shuffle: bool = False,
+               seedable: bool = False) -> dict[str, Any]:
+    """run_clm_no_trainer's setup: prepare, get_scheduler("cosine") sized in optimizer steps, the tracker.
+    ``shuffle``: the script's ``shuffle=True`` loader; ``seedable``: ``use_seedable_sampler=True``."""
+    from accelerate.utils import DataLoaderConfiguration
+    from cbs_tracker.integrations.accelerate import AcceleratorTracker
     from transformers import get_scheduler
 
-    from cbs_tracker.integrations.accelerate import AcceleratorTracker
-
-    acc = aw.make_accelerator(1, gradient_accumulation_steps=A0)
+    acc = aw.make_accelerator(1, gradient_accumulation_steps=A0,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable))
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(Blocks(batches * ROWS), batch_size=ROWS, shuffle=False)
+    loader = torch.utils.data.DataLoader(Blocks(batches * ROWS), batch_size=ROWS, shuffle=shuffle)
     lr_scheduler = get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2,
                                  num_training_steps=max_train_steps * acc.num_processes)
     model, optimizer, loader, lr_scheduler = acc.prepare(model, optimizer, loader, lr_scheduler)
@@ -96,7 +99,7 @@ def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True) -> dict
 
 def _run_clm(p: dict[str, Any], *, stop: str, num_train_epochs: int, starting_epoch: int = 0,
              resume_step: int | None = None, completed_steps: int = 0, checkpointing_steps: Any = None,
-             save: Any = None, rows: list | None = None) -> list[tuple[float, int, float]]:
+             save: Any = None, rows: list | None = None, set_epoch: bool = False) -> list[tuple[float, int, float]]:
     """The training loop of run_clm_no_trainer.py (its lines, with the tracker's two), one row per optimizer
     step: (tokens seen, accumulation, lr). ``stop``: "completed_steps" (the script's) or "tracker" (the README's)."""
     acc, model, optimizer, lr_scheduler, tracker = p["acc"], p["model"], p["optimizer"], p["lr_scheduler"], p["tracker"]
@@ -107,6 +110,8 @@ def _run_clm(p: dict[str, Any], *, stop: str, num_train_epochs: int, starting_ep
             active_dataloader = acc.skip_first_batches(p["loader"], resume_step)
         else:
             active_dataloader = p["loader"]
+        if set_epoch:  # the guide's line: a resumed process would count the loader's epochs from 0
+            active_dataloader.set_epoch(epoch)
         for _step, batch in enumerate(active_dataloader):
             with tracker.accumulate(labels=batch["labels"][..., 1:]):
                 outputs = model(**batch)
@@ -232,6 +237,52 @@ def test_run_clm_resume_from_a_step_checkpoint(tmp_path, arithmetic):
         assert not found
         assert tracker.resume_position() == sum(a for _, a, _ in full_rows[:15])
         _same_rows(rows, full_rows[15:])
+
+
+def _trained_rows(p: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Every row the model trains on, in order (the truth of which data ran)."""
+    rows: list[tuple[int, ...]] = []
+    p["model"].register_forward_pre_hook(
+        lambda m, args, kwargs: rows.extend(tuple(r) for r in kwargs["input_ids"].tolist()), with_kwargs=True)
+    return rows
+
+
+@pytest.mark.parametrize("seedable", [False, True])
+def test_run_clm_resume_with_a_shuffled_loader_warns_unless_the_sampler_is_seedable(tmp_path, seedable):
+    """Accelerate's default sampler draws the resumed epoch in a new order: samples trained before the checkpoint
+    train again and others never do, and the tracker warns once, naming use_seedable_sampler=True. With the
+    seedable sampler the resumed run trains the uninterrupted run's rows, in order, with its steps and LR."""
+    batches, max_train_steps = 100, 60
+    epochs = _epochs(batches, max_train_steps)
+    saved: dict[str, str] = {}
+    full = _clm_parts(batches, max_train_steps, shuffle=True, seedable=seedable)
+    full_seen = _trained_rows(full)
+    full_rows = _run_clm(full, stop="tracker", num_train_epochs=epochs, checkpointing_steps=15,
+                         save=_saver(full, tmp_path, saved), set_epoch=True)
+    p = _clm_parts(batches, max_train_steps, shuffle=True, seedable=seedable)
+    seen = _trained_rows(p)
+    p["acc"].load_state(saved["step_15"])
+    tracker, length = p["tracker"], len(p["loader"])
+    starting_epoch, resume_step = divmod(tracker.resume_position(), length)
+    assert starting_epoch == 0 and 0 < resume_step < length  # inside the first epoch, after growth
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = _run_clm(p, stop="tracker", num_train_epochs=epochs, starting_epoch=starting_epoch,
+                        resume_step=resume_step, completed_steps=tracker.steps, set_epoch=True)
+    found = [str(w.message) for w in caught if "use_seedable_sampler" in str(w.message)]
+    before = full_seen[:resume_step * ROWS]
+    epoch0 = seen[:(length - resume_step) * ROWS]  # the rest of the first epoch, as the resumed run drew it
+    again = len(set(epoch0) & set(before))
+    never = len(set(full_seen[:length * ROWS]) - set(before) - set(epoch0))
+    if seedable:
+        assert found == [] and again == never == 0
+        assert seen == full_seen[resume_step * ROWS:]
+        _same_rows(rows, full_rows[15:])
+    else:
+        assert again > 0 and never == again  # what it warns about (the epoch's rows are all distinct)
+        assert len(found) == 1, found
+        assert f"resumed inside an epoch ({resume_step} of its {length} loader batches" in found[0]
+        assert "DataLoaderConfiguration(use_seedable_sampler=True)" in found[0]
 
 
 def test_run_clm_epoch_checkpoint_inside_a_window_warns_and_the_trackers_position_loses_nothing(tmp_path):
