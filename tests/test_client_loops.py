@@ -322,8 +322,19 @@ def test_a_run_that_ends_inside_a_window_says_how_many_microbatches_and_tokens_w
     p = _clm_parts(28, max_train_steps=1000)
     _run_clm(p, stop="tracker", num_train_epochs=1)  # the loader's 28 batches end inside a window of 4
     with pytest.warns(UserWarning, match=r"the run ended inside a window: 2 of its 4 microbatches per rank "
-                      r"\(32 tokens on this rank\).*tracker\.done\(max_steps\)"):
+                      r"\(32 tokens on this rank\).*tracker\.done\(max_steps\).*A loop that already breaks after "
+                      r"each batch ended here because its data did.*itertools\.count\(starting_epoch\).*"
+                      r"next epoch's first 2 batch\(es\)"):
         p["tracker"]._finalizer()  # what the interpreter's exit runs
+    # the fix it names, on run_clm's loop (which breaks after each batch): the budget of the data, 1 epoch of
+    # 14 steps at the starting batch, and the epochs run on until tracker.done: the window finishes on the next
+    # epoch's first 2 batches, every microbatch is stepped, the run stops at the 28 batches' data plus that window's
+    fixed = _clm_parts(28, max_train_steps=_epochs(28, 14) * math.ceil(28 / A0))
+    fixed_rows = _run_clm(fixed, stop="tracker", num_train_epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed["tracker"]._finalizer()
+    assert fixed["tracker"].done(14) and fixed_rows[-1][0] == 30 * MICRO and fixed_rows[-1][1] == 4
     stepped = _clm_parts(30, max_train_steps=1000)
     _run_clm(stepped, stop="tracker", num_train_epochs=1)  # 30 batches: the last window whole
     with warnings.catch_warnings():
