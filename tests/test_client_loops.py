@@ -455,3 +455,70 @@ def test_done_takes_one_budget_and_names_a_bad_one():
     with pytest.raises(ValueError, match=r"done\(steps=2.5\): must be an int >= 0"):
         tracker.done(2.5)
     assert tracker.done(0) and tracker.done(tokens=0) and not tracker.done(1)
+
+
+# ---------------------------------------------------------------------------- the guide's Accelerate block
+def _guide_block() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = [b for b in blocks if "AcceleratorTracker(accelerator" in b and "load_state" in b]
+    assert len(found) == 1, "the guide's Accelerate block moved"
+    return found[0]
+
+
+def test_the_guides_accelerate_block_runs_as_written_and_resumes_the_uninterrupted_run(tmp_path, monkeypatch):
+    """The block exec'd as the guide prints it, with run_clm_no_trainer's names (``args``, the model, the shuffled
+    loader, the scheduler sized in optimizer steps, ``checkpointing_steps``) around it; a checkpoint after growth
+    resumes as the uninterrupted run: the same rows in the same order, the same steps and LR.
+    ``BatchSizeController()`` is swapped for the test's schedule (growth within 60 steps of a tiny model)."""
+    from types import SimpleNamespace
+
+    from cbs_tracker.integrations.accelerate import AcceleratorTracker
+    from transformers import get_scheduler
+
+    import cbs_tracker
+
+    monkeypatch.setattr(cbs_tracker, "BatchSizeController", lambda: BatchSchedule(SCHEDULE, microbatch=MICRO))
+    block = _guide_block()
+    steps: list[tuple[float, int, float]] = []
+    real_step = AcceleratorTracker.step
+
+    def step(self: Any) -> Any:
+        record = real_step(self)
+        steps.append((record.tokens_seen, record.accumulation_steps, record.lr))
+        return record
+
+    monkeypatch.setattr(AcceleratorTracker, "step", step)
+
+    def run(resume: str | None) -> tuple[list, list, dict]:
+        aw.reset_accelerate()
+        steps.clear()
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(Blocks(100 * ROWS), batch_size=ROWS, shuffle=True)
+        names = dict(
+            args=SimpleNamespace(gradient_accumulation_steps=A0, resume_from_checkpoint=resume, num_train_epochs=2,
+                                 max_train_steps=60, output_dir=str(tmp_path)),
+            model=model, optimizer=optimizer, train_dataloader=loader, checkpointing_steps=15,
+            lr_scheduler=get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2, num_training_steps=60),
+        )
+        seen: list[tuple[int, ...]] = []
+        model.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.extend(tuple(r) for r in kwargs["input_ids"].tolist()), with_kwargs=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile(block, "docs/guide.md", "exec"), names)
+        # nothing to warn about but the note that a window runs on across the epoch's end
+        assert [str(w.message) for w in caught if "data loader ended in microbatch" not in str(w.message)] == []
+        return list(steps), seen, names
+
+    full_steps, full_seen, _ = run(None)
+    assert sorted({a for _, a, _ in full_steps}) == [2, 4, 8] and len(full_steps) > 15
+    assert full_steps[-1][0] >= 60 * A0 * MICRO  # the constant run's data (tracker.done)
+    resumed_steps, resumed_seen, names = run(str(tmp_path / "step_15"))
+    before = int(full_steps[14][0] // MICRO)  # microbatches of the first 15 steps
+    assert names["tracker"].resume_position() >= before and names["starting_epoch"] == 0
+    assert resumed_seen == full_seen[before * ROWS:]  # nothing trained twice, nothing skipped
+    _same_rows(resumed_steps, full_steps[15:])
