@@ -380,9 +380,22 @@ class AcceleratorTracker(CBSTracker):
         skip, total = position
         expected_total = self.resume_position()
         expected = expected_total % total
+        name = type(self).__name__
+        if expected > 0 and _draws_a_new_order(loader):
+            self.session.warn_once(
+                "resume_order",
+                f"{name}: resumed inside an epoch ({expected} of its {total} loader batches run before the "
+                "checkpoint) with a loader whose RandomSampler draws the epoch's order from the random state it "
+                "finds (Accelerate's default sampler): the resumed epoch is a new permutation, so some samples "
+                "trained before the checkpoint are trained again and others of the epoch never are, whatever "
+                "batches are skipped. Build the Accelerator with "
+                "`dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)` (from accelerate.utils), "
+                "whose sampler draws each epoch from its seed and is saved with accelerator.save_state, and call "
+                "`active_dataloader.set_epoch(epoch)` at each epoch's start (a resumed process counts the loader's "
+                "epochs from 0).",
+            )
         if skip == expected:
             return
-        name = type(self).__name__
         differ = (f"{expected - skip} loader batches before it run a second time" if skip < expected else
                   f"{skip - expected} loader batches are skipped")
         differ += " (if the epoch is the same)"
@@ -441,6 +454,25 @@ def _loader_position(loader: Any) -> tuple[int, int] | None:
     except TypeError:  # no length (an iterable dataset)
         return None
     return (skip, total) if total > 0 else None
+
+
+def _draws_a_new_order(loader: Any) -> bool:
+    """The loader shuffles with a ``RandomSampler`` that is not Accelerate's ``SeedableRandomSampler``: its
+    order comes from the generator state it finds at the epoch's start, which a resume does not reproduce."""
+    from torch.utils.data import RandomSampler
+
+    seen: set[int] = set()
+    todo = [loader]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen or len(seen) > 16:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, RandomSampler):
+            return type(obj).__name__ != "SeedableRandomSampler"
+        for attr in ("batch_sampler", "sampler", "base_dataloader"):
+            todo.append(getattr(obj, attr, None))
+    return False
 
 
 def _check_accelerator(accelerator: Any, name: str) -> None:

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 _OLMO_ADAPTIVE = {"SkipStepAdamW", "SkipStepLion"}
 #: the state format of :meth:`CBSOlmoCallback.state_dict`
 STATE_VERSION = 1
+#: the metrics the callback adds to OLMo-core's ``ConsoleLoggerCallback`` (which prints only those it names)
+CONSOLE_METRICS = ["cbs/noise_scale", "cbs/noise_scale_low", "cbs/critical_batch", "cbs/global_batch_tokens",
+                   "cbs/accumulation_steps", "cbs/lr_coupling"]
 
 
 class CBSOlmoCallback(Callback):
@@ -181,12 +184,23 @@ class CBSOlmoCallback(Callback):
                 f"rank_microbatch_size={self._micro_tokens} on one rank), so the noise scale is not measured "
                 "(nor the batch grown). Halve rank_microbatch_size or run more data-parallel ranks.",
             )
+        self._show_on_console(trainer)
         if self._restored is not None:  # a state loaded before the callback was attached
             state, self._restored = self._restored, None
             self.load_state_dict(state)
 
+    def _show_on_console(self, trainer: Any) -> None:
+        """Add :data:`CONSOLE_METRICS` to OLMo-core's ``ConsoleLoggerCallback``, which prints only the metrics
+        it names; a console logger that already names a ``cbs/`` metric is left as configured."""
+        from olmo_core.train.callbacks import ConsoleLoggerCallback
+
+        for cb in trainer.callbacks.values():
+            if isinstance(cb, ConsoleLoggerCallback) and isinstance(cb.metrics, list):
+                if not any(str(m).startswith("cbs") for m in cb.metrics):
+                    cb.metrics.extend(CONSOLE_METRICS)
+
     def _check_configuration(self, trainer: Any, module: Any) -> None:
-        from olmo_core.train.callbacks import BatchSizeSchedulerCallback, CheckpointerCallback
+        from olmo_core.train.callbacks import BatchSizeSchedulerCallback
         from olmo_core.train.train_module import TransformerTrainModule
 
         if not isinstance(module, TransformerTrainModule):
@@ -203,14 +217,7 @@ class CBSOlmoCallback(Callback):
                     "controller=BatchSchedule([(tokens, batch), ...]) (measured as well), or disable it "
                     "(enabled=False)."
                 )
-        if cbs_dist.is_distributed() and torch.distributed.get_backend() == "gloo":
-            for name, cb in trainer.callbacks.items():
-                if isinstance(cb, CheckpointerCallback) and cb.enabled and cb.save_async is not False:
-                    raise RuntimeError(
-                        f"CBSOlmoCallback: callbacks[{name!r}] is CheckpointerCallback(save_async={cb.save_async!r}) "
-                        "on the gloo backend, where OLMo-core's asynchronous checkpoint hangs (None means True "
-                        "on a backend with CPU support). Pass CheckpointerCallback(save_async=False)."
-                    )
+        self._check_async_checkpoint(trainer, module)
         optim = module.optim
         if optim is None:
             raise RuntimeError("CBSOlmoCallback: the train module has no optimizer (eval_only=True)")
@@ -244,6 +251,25 @@ class CBSOlmoCallback(Callback):
                     f"max_duration={trainer.max_duration}, which counts {trainer.max_duration.unit}: OLMo-core "
                     "converts it to tokens at the current batch, so the schedule's end would move as the batch "
                     "grows. Give max_duration in tokens (Duration.tokens(...)) or the scheduler's t_max."
+                )
+
+    def _check_async_checkpoint(self, trainer: Any, module: Any) -> None:
+        """Refuse an asynchronous ``CheckpointerCallback`` where the training device's tensors go through gloo."""
+        from olmo_core.train.callbacks import CheckpointerCallback
+
+        if not cbs_dist.is_distributed():
+            return
+        backend = str(torch.distributed.get_backend())
+        device = torch.device(getattr(module, "device", None) or "cpu")
+        if _backend_for(backend, device) != "gloo":
+            return
+        for name, cb in trainer.callbacks.items():
+            if isinstance(cb, CheckpointerCallback) and cb.enabled and cb.save_async is not False:
+                raise RuntimeError(
+                    f"CBSOlmoCallback: callbacks[{name!r}] is CheckpointerCallback(save_async={cb.save_async!r}) "
+                    f"on the backend {backend!r}, whose {device.type} tensors go through gloo, where OLMo-core's "
+                    "asynchronous checkpoint hangs at the save a SIGTERM asks for (None means True on a backend "
+                    "with CPU support). Pass CheckpointerCallback(save_async=False)."
                 )
 
     def _check_plan(self, start: int, slot: int) -> None:
@@ -505,6 +531,34 @@ class CBSOlmoCallback(Callback):
 
     def post_checkpoint_loaded(self, path: Any) -> None:
         self._reapply()
+        self._say_restored()
+
+    def _say_restored(self) -> None:
+        """One line after a load: the batch, the accumulation and the LR the restored state set (OLMo-core's
+        own line on the data loader gives the position in batches of the size it was built with)."""
+        session, trainer = self.session, self.trainer
+        if session is None or session.step == 0:
+            return
+        module, loader = trainer.train_module, trainer.data_loader
+        size = int(loader.global_batch_size)
+        group = module.optim.param_groups[0] if module.optim.param_groups else {}
+        field = getattr(module.scheduler, "initial_lr_field", "initial_lr")
+        peak = group.get(field) if module.scheduler is not None else group.get("lr")
+        lr = peak
+        tokens = int(trainer.global_train_tokens_seen)
+        try:  # the LR the scheduler gives the next step (OLMo-core sets it with that step's tokens counted)
+            if module.scheduler is not None and peak is not None and trainer.max_tokens is not None:
+                lr = float(module.scheduler.get_lr(float(peak), tokens + size, int(trainer.max_tokens)))
+        except Exception:  # a scheduler of another kind: the coupled base alone
+            lr = peak
+        lr_text = "?" if lr is None else f"{float(lr):.4g}"
+        log.info(
+            f"CBSOlmoCallback: restored at step {int(trainer.global_step):,d} ({tokens:,d} tokens): global_batch_size "
+            f"{size:,d} tokens, {session.accumulation_steps} microbatches per rank on {session.dp_degree} rank(s) "
+            f"(starting {session.starting_accumulation:g}), LR {lr_text} for the next step (the schedule's x"
+            f"{session.coupling:.4g} for the batch); the data continue at batch {int(loader.batches_processed):,d} "
+            f"of {size:,d} tokens"
+        )
 
     def _reapply(self) -> None:
         """The batch and the LR coupling of the restored state, on the loader and the optimizer.
@@ -539,3 +593,22 @@ class CBSOlmoCallback(Callback):
     def close(self) -> None:
         self._in_step = False
         self._open = False
+
+
+def _backend_for(backend: str, device: torch.device) -> str:
+    """The backend of a ``torch.distributed.get_backend()`` string that carries ``device``'s tensors.
+
+    ``"gloo"`` (one backend for every device), ``"cpu:gloo"`` and ``"cpu:gloo,cuda:nccl"`` (a backend per
+    device type, as OLMo-core's ``prepare_training_environment`` sets them) all give ``"gloo"`` on the CPU;
+    the last gives ``"nccl"`` on a CUDA device. ``""`` when the string names none for that device.
+    """
+    default = ""
+    for part in str(backend).lower().split(","):
+        part = part.strip()
+        if ":" in part:
+            kind, name = (x.strip() for x in part.split(":", 1))
+            if kind == device.type:
+                return name
+        elif part:
+            default = part
+    return default

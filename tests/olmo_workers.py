@@ -127,14 +127,15 @@ def record_row(rec: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- ranks
-def run_ranks(rank: int, world: int, init_file: str, out_dir: str, names: list[str]) -> None:
-    """Spawn target: each scenario of ``names`` on ``world`` gloo ranks, one JSON file per rank."""
+def run_ranks(rank: int, world: int, init_file: str, out_dir: str, names: list[str], backend: str = "gloo") -> None:
+    """Spawn target: each scenario of ``names`` on ``world`` ranks of ``backend`` (``"gloo"``, or a string per
+    device as OLMo-core's ``prepare_training_environment`` gives it: ``"cpu:gloo"``), one JSON file per rank."""
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         import olmo_core.distributed.parallel as parallel
@@ -195,8 +196,78 @@ def _async_on_gloo(rank: int, out_dir: str) -> dict[str, Any]:
     return {"error": None}
 
 
+def _stopped_and_resumed(rank: int, out_dir: str) -> dict[str, Any]:
+    """The guide's lines on the backend the ranks were started with: an asynchronous checkpointer refused; a run
+    stopped by SIGTERM after its growth, resumed by the same command; the same run uninterrupted."""
+    import logging
+    import signal
+
+    from olmo_core.train.callbacks import Callback, CheckpointerCallback
+
+    from cbs_tracker import BatchSchedule, CBSOlmoCallback
+
+    def schedule() -> Any:
+        return BatchSchedule([(6 * 4 * LOSS_TOKENS, 8 * LOSS_TOKENS)], microbatch=LOSS_TOKENS)
+
+    class Terminate(Callback):
+        def post_step(self) -> None:
+            if self.trainer.global_step == 7 and not getattr(self, "sent", False):
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)  # torchrun forwards a SIGTERM to every worker
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    work = os.path.join(out_dir, "stopped")
+    os.makedirs(work, exist_ok=True)
+    tokens = 6 * 4 * SEQ + 6 * 8 * SEQ  # 12 steps: 6 of 4 sequences, 6 of 8
+    out: dict[str, Any] = {"backend": str(dist.get_backend())}
+    try:
+        build_trainer(work, callbacks={"cbs": CBSOlmoCallback(), "checkpointer": CheckpointerCallback()},
+                      tokens=tokens, dp="ddp", save_folder=os.path.join(work, "refused"))
+        out["refused"] = None
+    except RuntimeError as err:
+        out["refused"] = str(err)
+    runs: dict[str, Any] = {}
+    for name, extra, folder in (("stopped", {"term": Terminate()}, "run"), ("resumed", {}, "run"),
+                                ("whole", {}, "whole")):
+        import olmo_core.distributed.parallel as parallel
+
+        parallel._WORLD_MESH = None
+        cbs, rec = CBSOlmoCallback(controller=schedule()), recorder()
+        trainer = build_trainer(work, callbacks={"cbs": cbs, "rec": rec, **extra}, tokens=tokens, dp="ddp",
+                                save_folder=os.path.join(work, folder))
+        trainer.cancel_check_interval = 4
+        lines = Lines()
+        logging.getLogger("cbs_tracker").addHandler(lines)
+        level = logging.getLogger("cbs_tracker").level
+        logging.getLogger("cbs_tracker").setLevel(logging.INFO)
+        try:
+            trainer.fit()
+        finally:
+            logging.getLogger("cbs_tracker").removeHandler(lines)
+            logging.getLogger("cbs_tracker").setLevel(level)
+        runs[name] = {
+            "steps": [s["step"] for s in rec.steps],
+            "global_batch": [s["global_batch"] for s in rec.steps],
+            "lr": [s["lr"] for s in rec.steps],
+            "input_ids": [s["input_ids"].tolist() for s in rec.steps],
+            "canceled": bool(trainer.is_canceled),
+            "tokens": int(trainer.global_train_tokens_seen),
+            "restored": [m for m in lines.lines if "restored at step" in m],
+        }
+    out["runs"] = runs
+    return out
+
+
 SCENARIOS = {
     "ddp": lambda rank, out: _growing(rank, out, "ddp"),
     "fsdp": lambda rank, out: _growing(rank, out, "fsdp"),
     "async_gloo": _async_on_gloo,
+    "stopped_resumed": _stopped_and_resumed,
 }

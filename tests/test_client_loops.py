@@ -75,16 +75,19 @@ def _clean():
     aw.reset_accelerate()
 
 
-def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True) -> dict[str, Any]:
-    """run_clm_no_trainer's setup: prepare, get_scheduler("cosine") sized in optimizer steps, the tracker."""
+def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True, shuffle: bool = False,
+               seedable: bool = False) -> dict[str, Any]:
+    """run_clm_no_trainer's setup: prepare, get_scheduler("cosine") sized in optimizer steps, the tracker.
+    ``shuffle``: the script's ``shuffle=True`` loader; ``seedable``: ``use_seedable_sampler=True``."""
+    from accelerate.utils import DataLoaderConfiguration
+    from cbs_tracker.integrations.accelerate import AcceleratorTracker
     from transformers import get_scheduler
 
-    from cbs_tracker.integrations.accelerate import AcceleratorTracker
-
-    acc = aw.make_accelerator(1, gradient_accumulation_steps=A0)
+    acc = aw.make_accelerator(1, gradient_accumulation_steps=A0,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable))
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(Blocks(batches * ROWS), batch_size=ROWS, shuffle=False)
+    loader = torch.utils.data.DataLoader(Blocks(batches * ROWS), batch_size=ROWS, shuffle=shuffle)
     lr_scheduler = get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2,
                                  num_training_steps=max_train_steps * acc.num_processes)
     model, optimizer, loader, lr_scheduler = acc.prepare(model, optimizer, loader, lr_scheduler)
@@ -96,7 +99,7 @@ def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True) -> dict
 
 def _run_clm(p: dict[str, Any], *, stop: str, num_train_epochs: int, starting_epoch: int = 0,
              resume_step: int | None = None, completed_steps: int = 0, checkpointing_steps: Any = None,
-             save: Any = None, rows: list | None = None) -> list[tuple[float, int, float]]:
+             save: Any = None, rows: list | None = None, set_epoch: bool = False) -> list[tuple[float, int, float]]:
     """The training loop of run_clm_no_trainer.py (its lines, with the tracker's two), one row per optimizer
     step: (tokens seen, accumulation, lr). ``stop``: "completed_steps" (the script's) or "tracker" (the README's)."""
     acc, model, optimizer, lr_scheduler, tracker = p["acc"], p["model"], p["optimizer"], p["lr_scheduler"], p["tracker"]
@@ -107,6 +110,8 @@ def _run_clm(p: dict[str, Any], *, stop: str, num_train_epochs: int, starting_ep
             active_dataloader = acc.skip_first_batches(p["loader"], resume_step)
         else:
             active_dataloader = p["loader"]
+        if set_epoch:  # the guide's line: a resumed process would count the loader's epochs from 0
+            active_dataloader.set_epoch(epoch)
         for _step, batch in enumerate(active_dataloader):
             with tracker.accumulate(labels=batch["labels"][..., 1:]):
                 outputs = model(**batch)
@@ -234,6 +239,52 @@ def test_run_clm_resume_from_a_step_checkpoint(tmp_path, arithmetic):
         _same_rows(rows, full_rows[15:])
 
 
+def _trained_rows(p: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Every row the model trains on, in order (the truth of which data ran)."""
+    rows: list[tuple[int, ...]] = []
+    p["model"].register_forward_pre_hook(
+        lambda m, args, kwargs: rows.extend(tuple(r) for r in kwargs["input_ids"].tolist()), with_kwargs=True)
+    return rows
+
+
+@pytest.mark.parametrize("seedable", [False, True])
+def test_run_clm_resume_with_a_shuffled_loader_warns_unless_the_sampler_is_seedable(tmp_path, seedable):
+    """Accelerate's default sampler draws the resumed epoch in a new order: samples trained before the checkpoint
+    train again and others never do, and the tracker warns once, naming use_seedable_sampler=True. With the
+    seedable sampler the resumed run trains the uninterrupted run's rows, in order, with its steps and LR."""
+    batches, max_train_steps = 100, 60
+    epochs = _epochs(batches, max_train_steps)
+    saved: dict[str, str] = {}
+    full = _clm_parts(batches, max_train_steps, shuffle=True, seedable=seedable)
+    full_seen = _trained_rows(full)
+    full_rows = _run_clm(full, stop="tracker", num_train_epochs=epochs, checkpointing_steps=15,
+                         save=_saver(full, tmp_path, saved), set_epoch=True)
+    p = _clm_parts(batches, max_train_steps, shuffle=True, seedable=seedable)
+    seen = _trained_rows(p)
+    p["acc"].load_state(saved["step_15"])
+    tracker, length = p["tracker"], len(p["loader"])
+    starting_epoch, resume_step = divmod(tracker.resume_position(), length)
+    assert starting_epoch == 0 and 0 < resume_step < length  # inside the first epoch, after growth
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = _run_clm(p, stop="tracker", num_train_epochs=epochs, starting_epoch=starting_epoch,
+                        resume_step=resume_step, completed_steps=tracker.steps, set_epoch=True)
+    found = [str(w.message) for w in caught if "use_seedable_sampler" in str(w.message)]
+    before = full_seen[:resume_step * ROWS]
+    epoch0 = seen[:(length - resume_step) * ROWS]  # the rest of the first epoch, as the resumed run drew it
+    again = len(set(epoch0) & set(before))
+    never = len(set(full_seen[:length * ROWS]) - set(before) - set(epoch0))
+    if seedable:
+        assert found == [] and again == never == 0
+        assert seen == full_seen[resume_step * ROWS:]
+        _same_rows(rows, full_rows[15:])
+    else:
+        assert again > 0 and never == again  # what it warns about (the epoch's rows are all distinct)
+        assert len(found) == 1, found
+        assert f"resumed inside an epoch ({resume_step} of its {length} loader batches" in found[0]
+        assert "DataLoaderConfiguration(use_seedable_sampler=True)" in found[0]
+
+
 def test_run_clm_epoch_checkpoint_inside_a_window_warns_and_the_trackers_position_loses_nothing(tmp_path):
     """--checkpointing_steps epoch: the epoch of 28 batches ends inside a window of 4 (26 + 4); the save warns
     with the microbatches and tokens it leaves out; the resume at the script's next epoch warns; the resume at
@@ -271,8 +322,19 @@ def test_a_run_that_ends_inside_a_window_says_how_many_microbatches_and_tokens_w
     p = _clm_parts(28, max_train_steps=1000)
     _run_clm(p, stop="tracker", num_train_epochs=1)  # the loader's 28 batches end inside a window of 4
     with pytest.warns(UserWarning, match=r"the run ended inside a window: 2 of its 4 microbatches per rank "
-                      r"\(32 tokens on this rank\).*tracker\.done\(max_steps\)"):
+                      r"\(32 tokens on this rank\).*tracker\.done\(max_steps\).*A loop that already breaks after "
+                      r"each batch ended here because its data did.*itertools\.count\(starting_epoch\).*"
+                      r"next epoch's first 2 batch\(es\)"):
         p["tracker"]._finalizer()  # what the interpreter's exit runs
+    # the fix it names, on run_clm's loop (which breaks after each batch): the budget of the data, 1 epoch of
+    # 14 steps at the starting batch, and the epochs run on until tracker.done: the window finishes on the next
+    # epoch's first 2 batches, every microbatch is stepped, the run stops at the 28 batches' data plus that window's
+    fixed = _clm_parts(28, max_train_steps=_epochs(28, 14) * math.ceil(28 / A0))
+    fixed_rows = _run_clm(fixed, stop="tracker", num_train_epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed["tracker"]._finalizer()
+    assert fixed["tracker"].done(14) and fixed_rows[-1][0] == 30 * MICRO and fixed_rows[-1][1] == 4
     stepped = _clm_parts(30, max_train_steps=1000)
     _run_clm(stepped, stop="tracker", num_train_epochs=1)  # 30 batches: the last window whole
     with warnings.catch_warnings():
@@ -393,3 +455,70 @@ def test_done_takes_one_budget_and_names_a_bad_one():
     with pytest.raises(ValueError, match=r"done\(steps=2.5\): must be an int >= 0"):
         tracker.done(2.5)
     assert tracker.done(0) and tracker.done(tokens=0) and not tracker.done(1)
+
+
+# ---------------------------------------------------------------------------- the guide's Accelerate block
+def _guide_block() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = [b for b in blocks if "AcceleratorTracker(accelerator" in b and "load_state" in b]
+    assert len(found) == 1, "the guide's Accelerate block moved"
+    return found[0]
+
+
+def test_the_guides_accelerate_block_runs_as_written_and_resumes_the_uninterrupted_run(tmp_path, monkeypatch):
+    """The block exec'd as the guide prints it, with run_clm_no_trainer's names (``args``, the model, the shuffled
+    loader, the scheduler sized in optimizer steps, ``checkpointing_steps``) around it; a checkpoint after growth
+    resumes as the uninterrupted run: the same rows in the same order, the same steps and LR.
+    ``BatchSizeController()`` is swapped for the test's schedule (growth within 60 steps of a tiny model)."""
+    from types import SimpleNamespace
+
+    from cbs_tracker.integrations.accelerate import AcceleratorTracker
+    from transformers import get_scheduler
+
+    import cbs_tracker
+
+    monkeypatch.setattr(cbs_tracker, "BatchSizeController", lambda: BatchSchedule(SCHEDULE, microbatch=MICRO))
+    block = _guide_block()
+    steps: list[tuple[float, int, float]] = []
+    real_step = AcceleratorTracker.step
+
+    def step(self: Any) -> Any:
+        record = real_step(self)
+        steps.append((record.tokens_seen, record.accumulation_steps, record.lr))
+        return record
+
+    monkeypatch.setattr(AcceleratorTracker, "step", step)
+
+    def run(resume: str | None) -> tuple[list, list, dict]:
+        aw.reset_accelerate()
+        steps.clear()
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(Blocks(100 * ROWS), batch_size=ROWS, shuffle=True)
+        names = dict(
+            args=SimpleNamespace(gradient_accumulation_steps=A0, resume_from_checkpoint=resume, num_train_epochs=2,
+                                 max_train_steps=60, output_dir=str(tmp_path)),
+            model=model, optimizer=optimizer, train_dataloader=loader, checkpointing_steps=15,
+            lr_scheduler=get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2, num_training_steps=60),
+        )
+        seen: list[tuple[int, ...]] = []
+        model.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.extend(tuple(r) for r in kwargs["input_ids"].tolist()), with_kwargs=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile(block, "docs/guide.md", "exec"), names)
+        # nothing to warn about but the note that a window runs on across the epoch's end
+        assert [str(w.message) for w in caught if "data loader ended in microbatch" not in str(w.message)] == []
+        return list(steps), seen, names
+
+    full_steps, full_seen, _ = run(None)
+    assert sorted({a for _, a, _ in full_steps}) == [2, 4, 8] and len(full_steps) > 15
+    assert full_steps[-1][0] >= 60 * A0 * MICRO  # the constant run's data (tracker.done)
+    resumed_steps, resumed_seen, names = run(str(tmp_path / "step_15"))
+    before = int(full_steps[14][0] // MICRO)  # microbatches of the first 15 steps
+    assert names["tracker"].resume_position() >= before and names["starting_epoch"] == 0
+    assert resumed_seen == full_seen[before * ROWS:]  # nothing trained twice, nothing skipped
+    _same_rows(resumed_steps, full_steps[15:])

@@ -1206,3 +1206,47 @@ def test_conversions_are_bounded_by_conversion_kappa_not_by_the_growth_kappa():
 def test_conversion_kappa_is_checked(value, exc):
     with pytest.raises(exc, match=r"BatchSizeController\(conversion_kappa="):
         BatchSizeController(conversion_kappa=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("low", [1.9 * MICRO, None])
+def test_a_halving_not_converted_says_the_bounds_its_check_used(caplog, low):
+    # A halving at step 200 would take the batch 512 -> 1024. With the interval's lower end at 1.9 x 512 = 972.8
+    # the median's bound (3072) passes and the lower end's does not: the message must give 972.8, the number that
+    # refused it, and not only the median (which alone would read "1024 is above 3072"). Without an interval the
+    # median itself (1.9 x 512) decides. The truth that can disagree: the same run with the lower end at 2.1 x 512
+    # converts at the same halving.
+    import logging
+
+    median = 6.0 * MICRO if low is not None else 1.9 * MICRO
+    extra = {} if low is None else {"noise_scale_low": low}
+    ctrl = BatchSizeController(kappa=1.0, margin=100.0, convert_lr_decay=True)
+    with caplog.at_level(logging.INFO, logger="cbs_tracker.policy.controller"):
+        decisions, _ = simulate_lr(ctrl, lambda *a: median, _step_decay, 300, **extra)
+    assert changes(decisions) == []
+    said = [r.getMessage() for r in caplog.records if "not converted" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("BatchSizeController step 200:"), said
+    if low is not None:
+        assert ("the doubled batch 1024 is above conversion_kappa x the noise scale = 972.8 at its 90% interval's "
+                "lower end, 3072 at the median (both must reach it)") in said[0]
+        converting = BatchSizeController(kappa=1.0, margin=100.0, convert_lr_decay=True)
+        decisions, _ = simulate_lr(converting, lambda *a: median, _step_decay, 300, noise_scale_low=2.1 * MICRO)
+        assert [(d.step, d.accumulation_steps) for d in changes(decisions)] == [(200, 2)]
+    else:
+        assert "the doubled batch 1024 is above conversion_kappa x the median noise scale = 972.8" in said[0]
+
+
+def test_a_measured_doubling_states_the_lower_end_it_cleared():
+    ctrl = BatchSizeController(kappa=1.0)
+    decisions, _ = simulate_lr(ctrl, lambda *a: 4.0 * MICRO, lambda step: 1.0, 400, noise_scale_low=3.0 * MICRO)
+    grown = changes(decisions)
+    assert grown and grown[0].reason.startswith("grow 512 -> 1024: critical batch 2048 >= 1126")
+    assert "kappa x the interval's lower end 1536 too" in grown[0].reason
+
+
+def test_the_feedback_trap_warning_states_the_median_and_the_bound_it_compared():
+    ctrl = BatchSizeController(feedback_strikes=1)
+    with pytest.warns(RuntimeWarning, match="follows the batch") as caught:
+        simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 4000)
+    said = str(caught[0].message)
+    # after 512 -> 1024 the noise scale reads 10 x 1024: the median and the trend's bound (10 x 512 here) are given
+    assert "median 1.024e+04" in said and "above the 5120 the trend predicts" in said, said

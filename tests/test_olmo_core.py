@@ -152,7 +152,11 @@ def test_noise_scale_equals_the_plain_loops_on_the_same_data(grown):
     assert compared >= STEPS - 2
 
 
-def test_a_checkpoint_after_growth_resumes_at_the_grown_batch_with_the_same_lr_and_steps(grown, tmp_path):
+def test_a_checkpoint_after_growth_resumes_at_the_grown_batch_with_the_same_lr_and_steps(grown, tmp_path, caplog):
+    """Also: after the load the callback logs one line with the batch, the accumulation and the LR it restored
+    (OLMo-core's own line gives the position in batches of the size the loader was built with)."""
+    import logging
+
     from cbs_tracker import CBSOlmoCallback
 
     ckpt = Path(grown["work"]) / "run" / "step8"
@@ -162,7 +166,15 @@ def test_a_checkpoint_after_growth_resumes_at_the_grown_batch_with_the_same_lr_a
     trainer = ow.build_trainer(grown["work"], callbacks={"cbs": cbs, "rec": rec}, steps=STEPS,
                                save_folder=str(tmp_path / "resumed"), load_path=str(ckpt))
     tracked = _tracked(cbs)
-    trainer.fit()
+    with caplog.at_level(logging.INFO, logger="cbs_tracker"):
+        trainer.fit()
+    restored = [r.getMessage() for r in caplog.records if "restored at step" in r.getMessage()]
+    assert len(restored) == 1, restored
+    ref = grown["tracked"][8][0]  # the uninterrupted run's step 9: its batch, accumulation and LR
+    assert ref.global_batch == 8 * ow.LOSS_TOKENS and ref.accumulation_steps == 8
+    assert (f"restored at step 8 ({GROW_AT * 4 * ow.SEQ + 2 * 8 * ow.SEQ:,d} tokens): global_batch_size "
+            f"{8 * ow.SEQ} tokens, 8 microbatches per rank on 1 rank(s) (starting 4)") in restored[0]
+    assert f"LR {ref.lr:.4g} for the next step (the schedule's x{math.sqrt(2):.4g} for the batch)" in restored[0]
     assert [s["step"] for s in rec.steps] == [9, 10]
     for mine, ref in zip(rec.steps, grown["steps"][8:]):
         assert mine["global_batch"] == ref["global_batch"] == 8 * ow.SEQ
@@ -356,3 +368,93 @@ def test_growth_under_a_duration_in_steps_warns_once_that_the_run_trains_more_to
     assert len(messages) == 1 and "Duration.tokens" in messages[0] and "2x the starting batch" in messages[0]
     messages, trained = warned["tokens"]
     assert messages == [] and trained == STEPS * 4 * ow.SEQ
+
+
+# ---------------------------------------------------------------------------- the asynchronous checkpoint
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"])
+def test_an_async_checkpointer_is_refused_on_each_backend_string_that_puts_the_cpu_on_gloo(monkeypatch, backend):
+    """OLMo-core's ``prepare_training_environment`` names a backend per device (``"cpu:gloo,cuda:nccl"`` by
+    default, ``"cpu:gloo"`` on a CPU-only machine); ``get_backend()`` returns that string, not ``"gloo"``."""
+    from types import SimpleNamespace
+
+    import cbs_tracker.integrations.olmo_core as oc
+    from olmo_core.train.callbacks import CheckpointerCallback
+
+    from cbs_tracker import CBSOlmoCallback
+
+    monkeypatch.setattr(oc.cbs_dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a, **k: backend)
+    cbs = CBSOlmoCallback()
+    on_cpu = SimpleNamespace(device=torch.device("cpu"))
+    for save_async in (None, True):
+        trainer = SimpleNamespace(callbacks={"ckpt": CheckpointerCallback(save_async=save_async)})
+        with pytest.raises(RuntimeError, match=rf"callbacks\['ckpt'\].*save_async={save_async}.*{backend!r}.*"
+                           r"save_async=False"):
+            cbs._check_async_checkpoint(trainer, on_cpu)
+    cbs._check_async_checkpoint(SimpleNamespace(callbacks={"ckpt": CheckpointerCallback(save_async=False)}), on_cpu)
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    trainer = SimpleNamespace(callbacks={"ckpt": CheckpointerCallback()})
+    if backend == "cpu:gloo,cuda:nccl" or backend == "cuda:nccl,cpu:gloo":  # CUDA tensors go through NCCL
+        cbs._check_async_checkpoint(trainer, on_cuda)
+    elif backend == "gloo":  # gloo for every device
+        with pytest.raises(RuntimeError, match="save_async=False"):
+            cbs._check_async_checkpoint(trainer, on_cuda)
+
+
+def test_the_backend_of_each_device_is_read_from_the_string():
+    from cbs_tracker.integrations.olmo_core import _backend_for
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [_backend_for(b, cpu) for b in ("gloo", "cpu:gloo", "cpu:gloo,cuda:nccl", "nccl", "cuda:nccl")] == [
+        "gloo", "gloo", "gloo", "nccl", ""]
+    assert [_backend_for(b, cuda) for b in ("gloo", "cpu:gloo", "cpu:gloo,cuda:nccl", "nccl")] == [
+        "gloo", "", "nccl", "nccl"]
+
+
+def test_the_noise_scale_and_the_batch_show_on_olmo_cores_console(tmp_path, caplog):
+    """OLMo-core's ``ConsoleLoggerCallback`` prints only the metrics it names: the callback adds its main ones,
+    and leaves a console logger that already names ``cbs/...`` metrics as it is."""
+    import logging
+
+    from cbs_tracker.integrations.olmo_core import CONSOLE_METRICS
+    from olmo_core.train.callbacks import ConsoleLoggerCallback
+
+    from cbs_tracker import CBSOlmoCallback
+
+    trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": CBSOlmoCallback(controller=None)}, steps=10,
+                               save_folder=str(tmp_path / "run"))
+    with caplog.at_level(logging.INFO, logger="olmo_core"):
+        trainer.fit()
+    printed = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("olmo_core.train.callbacks"))
+    assert f"cbs/global_batch_tokens={4 * ow.LOSS_TOKENS}.00" in printed and "cbs/noise_scale=" in printed, printed
+    assert "cbs/accumulation_steps=4.000" in printed and "cbs/noise_scale_low=" in printed
+    mine = ConsoleLoggerCallback(metrics=["train/CE loss", "cbs/*"])
+    trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": CBSOlmoCallback(controller=None), "console": mine},
+                               steps=1, save_folder=str(tmp_path / "run2"))
+    assert mine.metrics == ["train/CE loss", "cbs/*"] and not set(CONSOLE_METRICS) & set(mine.metrics)
+
+
+def test_two_cpu_gloo_ranks_stopped_by_sigterm_after_growth_resume_at_the_grown_batch_and_lr(tmp_path):
+    """OLMo-core's own backend string on a CPU machine (``prepare_training_environment(backend="cpu:gloo")``),
+    with the guide's two lines. The truth: the same run uninterrupted, step for step."""
+    spawn(ow.run_ranks, args=(2, str(tmp_path / "pg"), str(tmp_path), ["stopped_resumed"], "cpu:gloo"),
+          nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"stopped_resumed.rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["backend"] == "cpu:gloo"
+        assert rank["refused"] is not None and "'cpu:gloo'" in rank["refused"] and "save_async=False" in rank["refused"]
+        stopped, resumed, whole = (rank["runs"][n] for n in ("stopped", "resumed", "whole"))
+        # SIGTERM after step 7; the cancel is checked at step 8 (asynchronously: it may stop after step 9)
+        n = len(stopped["steps"])
+        assert stopped["canceled"] and stopped["steps"] == list(range(1, n + 1)) and 8 <= n <= 10
+        assert not resumed["canceled"] and resumed["steps"] == list(range(n + 1, 13))
+        assert whole["steps"] == list(range(1, 13)) and whole["global_batch"][6:] == [8 * ow.SEQ] * 6
+        assert stopped["global_batch"] == whole["global_batch"][:n]
+        assert resumed["global_batch"] == whole["global_batch"][n:] == [8 * ow.SEQ] * (12 - n)  # the grown batch
+        assert resumed["input_ids"] == whole["input_ids"][n:]  # the same data, neither skipped nor repeated
+        assert resumed["lr"] == pytest.approx(whole["lr"][n:], rel=1e-6)  # the grown LR (x sqrt 2) on the schedule
+        assert resumed["tokens"] == whole["tokens"]
+        assert len(resumed["restored"]) == 1 and f"global_batch_size {8 * ow.SEQ} tokens" in resumed["restored"][0]
+        assert "4 microbatches per rank on 2 rank(s) (starting 2)" in resumed["restored"][0]
+    for name in ("stopped", "resumed", "whole"):  # the ranks ran the same steps, batches and LR
+        assert all(ranks[0]["runs"][name][k] == ranks[1]["runs"][name][k] for k in ("steps", "global_batch", "lr"))

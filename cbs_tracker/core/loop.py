@@ -1025,7 +1025,12 @@ def _warn_unstepped(collector: Any, session: TrackingSession, name: str, what: s
     else:
         fix = ("End the loop between windows: `while not tracker.done(max_steps)` (or done(microbatches=...), "
                "done(tokens=...)) around `for _ in range(tracker.accumulation_steps)`, or `if tracker.done(...): "
-               "break` after each batch; a loop over a loader's epochs lets the window continue into the next epoch.")
+               "break` after each batch. A loop that already breaks after each batch ended here because its data "
+               "did (its last epoch ran out inside the window): let the epochs run on until tracker.done(...) is "
+               "true (`for epoch in itertools.count(starting_epoch):`, leaving it when tracker.done(...) is; "
+               "run_clm_no_trainer's max_train_steps is then num_train_epochs x its steps per epoch), so this "
+               f"window finishes on the next epoch's first {window - ran:g} batch(es) and the run stops on the "
+               "data of its budget.")
     session.warn_once(
         key,
         f"{name}: {what} inside a window: {ran} of its {window} microbatches per rank ({units} on this rank) ran "

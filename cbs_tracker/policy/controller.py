@@ -645,8 +645,8 @@ class BatchSizeController:
         if why_not is None and self._guard.tripped:
             why_not = "feedback trap: the noise scale does not measure the critical batch"
         if why_not is None and not rules.supports(doubled, now.low, kappa=self.conversion_kappa):
-            bound = rules.clip(self.conversion_kappa * now.median)  # type: ignore[operator]
-            why_not = f"{doubled:.4g} is above conversion_kappa x the measured noise scale {bound:.4g}"
+            why_not = f"the doubled batch {doubled:.4g} is above " + self._evidence(
+                "conversion_kappa", self.conversion_kappa, now)
         conversion.consume(converted=why_not is None)
         if why_not is not None:
             _log.info("BatchSizeController step %d: scheduled LR halved; not converted (%s), it decays as "
@@ -657,6 +657,17 @@ class BatchSizeController:
             f"convert: scheduled LR {now.scheduled_lr:.4g} halved; batch {level.batch():.4g} -> {doubled:.4g} "
             f"instead (conversion {conversion.conversions})",
         )
+
+    def _evidence(self, name: str, kappa: float, now: _Now) -> str:
+        """The bounds a growth check compared with the batch: ``kappa`` x the interval's lower end and x the
+        median of the window (both must reach the batch; clipped to ``min_batch``/``max_batch``)."""
+        rules = self._rules
+        at_median = rules.clip(kappa * now.median)  # type: ignore[operator]
+        if now.low is None:
+            return f"{name} x the median noise scale = {at_median:.4g}"
+        at_low = rules.clip(kappa * now.low)
+        return (f"{name} x the noise scale = {at_low:.4g} at its 90% interval's lower end, {at_median:.4g} at "
+                "the median (both must reach it)")
 
     def _apply_rules(self, now: _Now) -> Decision:
         """Growth and shrink from the measured critical batch, with warm-up, cool-down, caps and the guard."""
@@ -684,7 +695,9 @@ class BatchSizeController:
                        f"<= {self.efficiency_budget:g} x {self.total_tokens:.4g}, and {2 * batch:.4g} <= the "
                        f"median noise scale {now.median:.4g}")
             else:
-                why = f"critical batch {target:.4g} >= {grow_at:.4g}"
+                why = f"critical batch {target:.4g} >= {grow_at:.4g}" + (
+                    "" if now.low is None else
+                    f" (kappa x the interval's lower end {rules.clip(self.kappa * now.low):.4g} too)")
             return self._change_to(
                 level.exponent + 1, now,
                 f"grow {batch:.4g} -> {2 * batch:.4g}: {why} for {self.patience} measurements",

@@ -127,9 +127,11 @@ class FeedbackGuard:
             return
         self.state = TRIPPED
         self.ratio, self.exponent = median / batch, exponent
-        self._report(step, growth, excess)
+        bound = self.ns_before * trend
+        self._report(step, growth, excess, median=median, low=low, bound=bound)
 
-    def _report(self, step: int, growth: float, excess: float) -> None:
+    def _report(self, step: int, growth: float, excess: float, *, median: float, low: float | None,
+                bound: float) -> None:
         s = self.settings
         if s.budget_tokens is not None:
             after = "(the budget's plan times the growth from here)"
@@ -139,7 +141,9 @@ class FeedbackGuard:
             after = "for the rest of the run"
         msg = (
             f"BatchSizeController step {step}: after doubling the batch, the measured noise scale "
-            f"grew x{growth:.2f} (x{excess:.2f} beyond its earlier trend): it follows the batch "
+            f"grew x{growth:.2f} (x{excess:.2f} beyond its earlier trend: median {median:.4g}"
+            + ("" if low is None else f" and 90% interval's lower end {low:.4g}")
+            + f", above the {bound:.4g} the trend predicts): it follows the batch "
             "itself (the feedback trap), so it says nothing about the critical batch "
             f"here. Growth from the noise scale stopped {after}."
         )
