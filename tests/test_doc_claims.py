@@ -290,8 +290,7 @@ def test_the_controllers_first_table_is_the_options_a_user_sets_first_in_its_sig
 
     section = _section(OPTIONS, "`BatchSizeController")
     first, second = section.split("\nThe rules' finer settings", 1)
-    params = list(_params(cbs_tracker.BatchSizeController.__init__, drop=("self",)) and
-                  [p for p in inspect.signature(cbs_tracker.BatchSizeController.__init__).parameters if p != "self"])
+    params = [p for p in inspect.signature(cbs_tracker.BatchSizeController.__init__).parameters if p != "self"]
     user = _table_options(first)
     assert set(params[:len(user)]) == user, (params[:len(user)], sorted(user))
     assert set(params[len(user):]) == _table_options(second)
