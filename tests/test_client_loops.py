@@ -77,9 +77,8 @@ def _clean():
 
 def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True) -> dict[str, Any]:
     """run_clm_no_trainer's setup: prepare, get_scheduler("cosine") sized in optimizer steps, the tracker."""
-    from transformers import get_scheduler
-
     from cbs_tracker.integrations.accelerate import AcceleratorTracker
+    from transformers import get_scheduler
 
     acc = aw.make_accelerator(1, gradient_accumulation_steps=A0)
     model = TinyLM()

@@ -197,8 +197,9 @@ def test_the_plain_loop_options_are_its_signature():
 
 
 def test_the_fsdp2_options_are_its_signature():
-    from cbs_tracker.core.loop import LoopTracker
     from cbs_tracker.integrations.fsdp import FSDPTracker
+
+    from cbs_tracker.core.loop import LoopTracker
 
     own = _params(FSDPTracker.__init__) - _params(LoopTracker.__init__)
     assert own and own <= _mentioned(_section(OPTIONS, "FSDP2"))

@@ -530,9 +530,8 @@ def test_a_pipeline_stage_or_schedule_is_refused_with_the_reason(tmp_path):
 
     if not (dist.is_available() and dist.is_gloo_available()) or dist.is_initialized():
         pytest.skip("needs gloo and no process group in this process")
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
     from cbs_tracker.integrations.fsdp import FSDPTracker
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

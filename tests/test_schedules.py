@@ -274,7 +274,6 @@ def test_lightning_schedule_sized_from_estimated_stepping_batches_finishes_with_
 def test_fsdp2_on_two_gloo_ranks_follows_the_same_timing(tmp_path):
     import json
 
-
     from tests import engine_workers
 
     spawn(engine_workers.fsdp_schedule, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
