@@ -356,3 +356,21 @@ def test_growth_under_a_duration_in_steps_warns_once_that_the_run_trains_more_to
     assert len(messages) == 1 and "Duration.tokens" in messages[0] and "2x the starting batch" in messages[0]
     messages, trained = warned["tokens"]
     assert messages == [] and trained == STEPS * 4 * ow.SEQ
+
+
+# ---------------------------------------------------------------------------- the example
+def test_the_olmo_core_example_runs_its_budget_and_reports_the_noise_scale(tmp_path):
+    """``examples/olmo_core_gpt.py`` on one process, a small budget (about 20 seconds): its smoke test."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "olmo_core_gpt.py"), "--tokens", "6000", "--warmup-steps", "5",
+         "--work-dir", str(tmp_path / "work")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OLMo-core trained" in out.stdout, out.stdout
+    assert "noise scale" in out.stdout and "noise scale None" not in out.stdout, out.stdout
