@@ -4,7 +4,7 @@ An adapter (plain loop, Lightning, FSDP2, Hugging Face) places the hooks, reads
 the big norm through :func:`~cbs_tracker.core.measure.reduce_window`, hands the
 result to :meth:`TrackingSession.finish_step`, and decides **when** a pending
 accumulation takes effect (:meth:`TrackingSession.apply_pending`). Everything
-else is here, once. See docs/design.md ("Architecture").
+else is here, once. See docs/design.md ("Adapt").
 """
 
 from __future__ import annotations
