@@ -1,4 +1,4 @@
-"""The runs behind the committed checkpoints in ``tests/data/`` (written by the code of 2026-12-05).
+"""The runs behind the committed checkpoints in ``tests/data/`` (written by the code of 2026-12-05, ``f4661fb``).
 
 ``python -m tests.legacy_checkpoints`` writes them again; the committed files stay as they are
 so that a later change to the state format is tested against a state saved before it

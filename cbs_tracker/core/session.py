@@ -1010,10 +1010,13 @@ def _micro_units(controller_state: Any, dp: int) -> float | None:
 
 
 def _count(r: StateReader, key: str, *, default: float) -> int | float:
-    """A positive count: an int, or a fraction of a microbatch per rank after a resume on more ranks."""
+    """A positive count: an int, or a fraction of a microbatch per rank after a resume on more ranks;
+    ``default`` (this session's own, possibly a fraction) where the state has none."""
+    if key not in r.state:
+        return default
     if isinstance(r.state.get(key), float):
         return plain_number(r.number(key, positive=True))
-    return r.integer(key, minimum=1, default=default)
+    return r.integer(key, minimum=1)
 
 
 class _Deferred:
