@@ -11,9 +11,9 @@ Two settings unlike each other (``examples/gpt_proof.py``): ``full``, the proof 
 minutes a run on one core), and ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes). Rules (``RULES``): ``constant``
 (the setting's starting batch throughout), ``kappa0.3`` ... ``kappa0.7``
-(the controller at that ``kappa``; ``kappa0.5`` is the default), ``seesaw`` (LR decay turned into
+(the controller at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into
 growth alone: the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the
-controller with ``convert_lr_decay``), ``measured`` / ``cooled`` (``kappa`` from branches without
+controller with ``convert_lr_decay``: the default), ``measured`` / ``cooled`` (``kappa`` from branches without
 and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4, 9/10 of the run).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over

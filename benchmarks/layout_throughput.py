@@ -19,11 +19,11 @@ import time
 from typing import Any
 
 import torch
+from cbs_tracker.integrations.plain import CBSTracker
 
+from cbs_tracker.core.loop import microbatch_layout
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
-from cbs_tracker.core.loop import microbatch_layout
-from cbs_tracker.integrations.plain import CBSTracker
 from cbs_tracker.policy.controller import BatchSizeController
 
 

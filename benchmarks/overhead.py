@@ -32,7 +32,6 @@ from cbs_tracker.core.collector import GradStatsCollector, HostCopy, LabelCount,
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
-
 #: per preset, what the run takes unless told: sequence length, sequences per microbatch, microbatches
 #: per step, autocast dtype ("fp32": none). GPT-2's sizes run as they are trained: bf16 autocast, a
 #: microbatch of 8 x 1,024 = 8,192 tokens (--micro-sequences 16 for 16k), and fused AdamW on CUDA.

@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+from cbs_tracker.integrations.plain import CBSTracker
 
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.demo.corpus import SequenceStream, load_corpus
 from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
-from cbs_tracker.integrations.plain import CBSTracker
 from cbs_tracker.policy.controller import BatchSizeController
 
 CHECKPOINTS = (0.1e6, 0.2e6, 0.4e6, 0.8e6, 1.6e6)

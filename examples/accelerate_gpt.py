@@ -84,7 +84,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-
     from cbs_tracker.integrations.accelerate import AcceleratorTracker
 
     args = parser().parse_args(argv)

@@ -163,21 +163,9 @@ class CBSCallback(Callback):
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
             raise ValueError(f"CBSCallback(log_every_n_steps={log_every_n_steps!r}): must be an integer >= 1 or None")
-        if not isinstance(prog_bar, bool):
-            raise TypeError(f"CBSCallback(prog_bar={prog_bar!r}): expected True or False")
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"CBSCallback(name={name!r}): expected a str or None")
-        if lr_coupling is not None and lr_coupling not in COUPLINGS:
-            raise ValueError(f"CBSCallback(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
-        if cap_lr_at_peak is not None and not isinstance(cap_lr_at_peak, bool):
-            raise TypeError(f"CBSCallback(cap_lr_at_peak={cap_lr_at_peak!r}): expected True, False or None")
-        if not isinstance(retime_schedulers, bool):
-            raise TypeError(f"CBSCallback(retime_schedulers={retime_schedulers!r}): expected True or False")
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)) or not max_tokens > 0
-            or not math.isfinite(max_tokens)
-        ):
-            raise ValueError(f"CBSCallback(max_tokens={max_tokens!r}): must be a finite number > 0 or None")
+        _check_logging_and_lr_options(prog_bar=prog_bar, name=name, lr_coupling=lr_coupling,
+                                      cap_lr_at_peak=cap_lr_at_peak, retime_schedulers=retime_schedulers,
+                                      max_tokens=max_tokens)
 
         self.controller = controller
         self.observe_only = observe_only
@@ -839,6 +827,26 @@ class CBSCallback(Callback):
         dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else 1
         self._scratch_session(dp).load_state_dict(dict(state_dict))
         self._restored = dict(state_dict)
+
+
+def _check_logging_and_lr_options(*, prog_bar: Any, name: Any, lr_coupling: Any, cap_lr_at_peak: Any,
+                                  retime_schedulers: Any, max_tokens: Any) -> None:
+    """``CBSCallback``'s checks of its logging, learning-rate and stopping options (the message names the argument)."""
+    if not isinstance(prog_bar, bool):
+        raise TypeError(f"CBSCallback(prog_bar={prog_bar!r}): expected True or False")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"CBSCallback(name={name!r}): expected a str or None")
+    if lr_coupling is not None and lr_coupling not in COUPLINGS:
+        raise ValueError(f"CBSCallback(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
+    if cap_lr_at_peak is not None and not isinstance(cap_lr_at_peak, bool):
+        raise TypeError(f"CBSCallback(cap_lr_at_peak={cap_lr_at_peak!r}): expected True, False or None")
+    if not isinstance(retime_schedulers, bool):
+        raise TypeError(f"CBSCallback(retime_schedulers={retime_schedulers!r}): expected True or False")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)) or not max_tokens > 0
+        or not math.isfinite(max_tokens)
+    ):
+        raise ValueError(f"CBSCallback(max_tokens={max_tokens!r}): must be a finite number > 0 or None")
 
 
 def _ranks(n: int) -> str:

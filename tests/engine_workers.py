@@ -53,9 +53,9 @@ def loop_ignores_accumulation(rank: int, world: int, init_file: str, out_dir: st
 
 def fsdp_schedule(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """FSDP2 on 2 ranks: a cosine scheduler handed to FSDPTracker while a plan grows the batch."""
+    from cbs_tracker.integrations.fsdp import FSDPTracker
     from torch.distributed.fsdp import fully_shard
 
-    from cbs_tracker.integrations.fsdp import FSDPTracker
     from tests.dist_workers import make_model
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -80,7 +80,8 @@ def train(
     if world > 1:
         model = nn.parallel.DistributedDataParallel(counting)
     optimizer = torch.optim.SGD(counting.parameters(), lr=0.05)
-    from tests.estimators import NoIntervalEstimator  # decisions on the median rule: these tests are mechanics
+    # decisions on the median rule: these tests are mechanics
+    from tests.estimators import NoIntervalEstimator
 
     tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples", controller=make_controller(),
                          estimator=NoIntervalEstimator(horizon_steps=100))  # the earlier fixed memory

@@ -2,7 +2,10 @@
 
 - the size of the one all-reduce per optimizer step (bytes, and how many float64 numbers);
 - the logged tags each doc lists, against the tags the code writes;
-- the options docs/options.md lists per adapter, against each adapter's signature.
+- the options docs/options.md lists per adapter, against each adapter's signature;
+- docs/design.md's map: every file of the package named, and the imports it says the code has
+  (the layering itself: tests/test_import_graph.py);
+- the README's one-line growth rule, against the controller's defaults.
 
 A number or a name changed on one side only fails here.
 """
@@ -197,8 +200,9 @@ def test_the_plain_loop_options_are_its_signature():
 
 
 def test_the_fsdp2_options_are_its_signature():
-    from cbs_tracker.core.loop import LoopTracker
     from cbs_tracker.integrations.fsdp import FSDPTracker
+
+    from cbs_tracker.core.loop import LoopTracker
 
     own = _params(FSDPTracker.__init__) - _params(LoopTracker.__init__)
     assert own and own <= _mentioned(_section(OPTIONS, "FSDP2"))
@@ -294,3 +298,61 @@ def test_the_controllers_first_table_is_the_options_a_user_sets_first_in_its_sig
     user = _table_options(first)
     assert set(params[:len(user)]) == user, (params[:len(user)], sorted(user))
     assert set(params[len(user):]) == _table_options(second)
+
+
+# ------------------------------------------------------------------ the design page's structure
+
+
+def test_the_design_page_names_every_file_of_the_package():
+    text = _text("docs/design.md")
+    files = [f"{p.parent.name}/{p.name}" for folder in ("core", "policy", "calibrate", "theory")
+             for p in sorted((ROOT / "cbs_tracker" / folder).glob("*.py")) if p.name != "__init__.py"]
+    files += [f"integrations/{p.name}" for p in sorted((ROOT / "integrations").glob("*.py")) if p.name != "__init__.py"]
+    files += ["runlog.py", "commands/calibrate.py", "corpus.py", "gpt.py", "launch.py"]
+    missing = [f for f in files if f"`{f}`" not in text]
+    assert not missing, f"docs/design.md does not say what these files do: {missing}"
+
+
+def test_every_import_the_design_page_says_the_code_has_is_there():
+    from tests.test_import_graph import EXCEPTIONS, stale_exceptions
+
+    assert len(EXCEPTIONS) >= 10  # the table was read
+    assert stale_exceptions() == [], "docs/design.md lists imports the code no longer has"
+
+
+# ------------------------------------------------------------------ the README's growth rule
+
+
+def test_the_readme_states_the_growth_rule_the_controller_applies():
+    from cbs_tracker import BatchSizeController
+
+    text = " ".join(_text("README.md").split())
+    m = re.search(r"doubles the batch when, on (\d+) measurements in a row, `κ` times both the median of the "
+                  r"last (\d+) noise scales and the interval's lower end clear twice the current batch by a (\d+)% "
+                  r"margin \(`κ = ([\d.]+)`; nothing is decided before those (\d+) are in\)", text)
+    assert m, "the README's one-line growth rule moved or changed form"
+    patience, window, margin, kappa, filled = (int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4)),
+                                                int(m.group(5)))
+    defaults = {k: v.default for k, v in inspect.signature(BatchSizeController.__init__).parameters.items()}
+    assert (patience, window, filled, kappa) == (defaults["patience"], defaults["window"], defaults["window"],
+                                                 defaults["kappa"])
+    assert margin / 100 == pytest.approx(defaults["margin"])
+
+    def first_doubling(below: int) -> int:
+        """The reading at which the default controller (no warm-up) doubles from B = 8: ``below`` readings
+        10% under the bar 2B(1 + margin), then readings just over it, lower ends alike."""
+        ctrl = BatchSizeController(warmup_steps=0, warmup_tokens=0)
+        bar = 2 * 8 * (1 + margin / 100) / kappa
+        for i in range(4 * window):
+            v = bar * (0.9 if i < below else 1.01)
+            d = ctrl.update(step=i + 1, tokens_seen=8.0 * (i + 1), global_batch=8.0, accumulation_steps=1,
+                            noise_scale=v, noise_scale_low=v, noise_scale_high=2 * v)
+            if d.accumulation_steps == 2:
+                return i + 1
+        raise AssertionError("no doubling")
+
+    # from the start: nothing before the window of 32 is full
+    assert first_doubling(0) == window
+    # after a window below the bar: the median clears it once more than half the window does
+    # (window // 2 + 1 readings), then it must hold on `patience` readings in a row
+    assert first_doubling(window) == window + window // 2 + 1 + patience - 1

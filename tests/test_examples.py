@@ -87,6 +87,10 @@ def test_readme_test_command_is_what_ci_runs():
     ci_lines = [line.strip() for line in ci.splitlines() if line.strip() and not line.startswith("#")]
     for s in steps:
         assert s in ci_lines, f"README step {s!r} is not a line of .ci/run"
+    # and what CI runs after installing (the lint, then the tests) is the README's, in order
+    ran = [line for line in ci_lines if line.startswith("python -m ")]
+    assert ran == [s for s in steps if s.startswith("python -m ")]
+    assert ran[:2] == ["python -m ruff check .", "python -m ruff check --select C901 cbs_tracker integrations"]
 
 
 @pytest.mark.parametrize("command", ["demo", "plot", "plan", "nqm"])

@@ -18,7 +18,6 @@ place of ``fabric.no_backward_sync``. Each run is held against a truth computed 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -67,8 +67,9 @@ def test_lightning_step_reads_the_host_once(monkeypatch, tmp_path):
 def test_hf_trainer_step_reads_the_host_once(monkeypatch):
     pytest.importorskip("transformers")
     from cbs_tracker.integrations.transformers import CBSTrainer
-    from tests.padded_workers import PaddedTokens, TokenRegression, setting
+
     from tests.hf_workers import training_args
+    from tests.padded_workers import PaddedTokens, TokenRegression, setting
 
     monkeypatch.setattr(GradStatsCollector, "host_window_sums", lambda self: None)
     monkeypatch.setattr(GradStatsCollector, "read_each_on_cpu", False)

@@ -58,9 +58,8 @@ def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
             optimizer = torch.optim.SGD(model.parameters(), lr=LR)
             tracker = CBSTracker(model, optimizer, **common)
         else:
-            from torch.distributed.fsdp import fully_shard
-
             from cbs_tracker.integrations.fsdp import FSDPTracker
+            from torch.distributed.fsdp import fully_shard
 
             model = _model()
             fully_shard(model[0])

@@ -16,7 +16,7 @@ from torch import nn
 from cbs_tracker import CBSCallback, CBSDataLoader
 from cbs_tracker.core.estimator import estimate_from_norms
 from tests.doubles import PlanController
-from tests.test_microbatch_first import D, ROWS, Indexed
+from tests.test_microbatch_first import ROWS, D, Indexed
 
 LEVELS = [2] * 3 + [4] * 3 + [8] * 3 + [16] * 6  # loader batches per window, as planned (one epoch's worth)
 N = ROWS * sum(LEVELS)

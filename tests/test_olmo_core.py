@@ -458,3 +458,21 @@ def test_two_cpu_gloo_ranks_stopped_by_sigterm_after_growth_resume_at_the_grown_
         assert "4 microbatches per rank on 2 rank(s) (starting 2)" in resumed["restored"][0]
     for name in ("stopped", "resumed", "whole"):  # the ranks ran the same steps, batches and LR
         assert all(ranks[0]["runs"][name][k] == ranks[1]["runs"][name][k] for k in ("steps", "global_batch", "lr"))
+
+
+# ---------------------------------------------------------------------------- the example
+def test_the_olmo_core_example_runs_its_budget_and_reports_the_noise_scale(tmp_path):
+    """``examples/olmo_core_gpt.py`` on one process, a small budget (about 20 seconds): its smoke test."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "olmo_core_gpt.py"), "--tokens", "6000", "--warmup-steps", "5",
+         "--work-dir", str(tmp_path / "work")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OLMo-core trained" in out.stdout, out.stdout
+    assert "noise scale" in out.stdout and "noise scale None" not in out.stdout, out.stdout

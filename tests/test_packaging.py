@@ -3,8 +3,9 @@ install) carries it: a subpackage left out imports in the editable checkout and 
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

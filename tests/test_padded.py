@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from cbs_tracker import NoiseScaleEstimator
-from tests.padded_workers import PaddedTokens, TokenRegression, ddp_worker, plain_run, setting, truth
+from tests.padded_workers import (
+    PaddedTokens,
+    TokenRegression,
+    ddp_worker,
+    plain_run,
+    setting,
+    truth,
+)
 from tests.spawning import spawn
 
 STEPS, ACCUMULATION, ROWS = 2500, 4, 2
@@ -95,9 +102,9 @@ def test_hf_trainer_with_num_items_in_batch_gives_the_plain_loop_records(window_
     """``CBSTrainer`` follows the Trainer's ``num_items_in_batch`` on its own: the plain loop's numbers step
     for step, so over the plain loop's whole run it would read what the plain loop reads (within 5%)."""
     pytest.importorskip("transformers")
+    from cbs_tracker.integrations.transformers import CBSTrainer
     from transformers import TrainerCallback
 
-    from cbs_tracker.integrations.transformers import CBSTrainer
     from tests.hf_workers import training_args
 
     class Records(TrainerCallback):

@@ -132,7 +132,7 @@ def test_set_lr_clocks_the_schedule_in_starting_batch_steps_and_keeps_the_coupli
     assert messages == []
     # after the doubling each step holds two starting-batch steps, and the LR carries sqrt(2) (AdamW)
     assert seen[-1][2] == pytest.approx(2**0.5)
-    for (sbs_after, lr, coupling), (sbs_before, _, _) in zip(seen[1:], seen[:-1]):
+    for (_sbs_after, lr, coupling), (sbs_before, _, _) in zip(seen[1:], seen[:-1]):
         assert lr == pytest.approx(get_lr(sbs_before) * coupling, rel=1e-12)
 
 

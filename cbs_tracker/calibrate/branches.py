@@ -566,6 +566,99 @@ def branch_lr_factors(steps: int, *, step_units: float, tokens: float, lr_mult: 
     return out
 
 
+def _from_tracker(tracker: Any, batch: float | None, tokens: float | None,
+                  lr_coupling: str | None) -> tuple[float, float, str | None, float]:
+    """The batch, units seen and coupling the tracker gives where the caller gave none, and the LR
+    factor of a doubling decided but not applied (1 without one)."""
+    pending_factor = 1.0
+    if tracker is not None:
+        if batch is None:
+            batch, pending_factor = _next_window(tracker)
+        tokens = tracker.tokens_seen if tokens is None else tokens
+        session = getattr(tracker, "session", None)
+        if lr_coupling in (None, "auto") and getattr(session, "optimizer", None) is not None:
+            lr_coupling = getattr(session, "coupling_mode", None)
+    if batch is None:
+        raise ValueError(f"{_OWNER}(batch=None): give the run's global batch, or a tracker that has taken a step")
+    return batch, 0.0 if tokens is None else tokens, lr_coupling, pending_factor
+
+
+def _checked_multiples(*, batch: float, tokens: float, microbatch_size: float, branch_tokens: float,
+                       replicates: int, epsilon: float, max_lr: float | None, clip_grad_norm: float | None,
+                       fuse_microbatches: int, frozen_microbatches: int, cooldown: float, cooldown_shape: str,
+                       cooldown_to: float, callables: dict[str, Any], multiples: Sequence[float]) -> list[float]:
+    """:func:`measure_critical_batch`'s argument checks; the sorted multiples, ``1`` included."""
+    _check("batch", batch)
+    _check("tokens", tokens, positive=False)
+    _check("microbatch_size", microbatch_size)
+    _check("branch_tokens", branch_tokens)
+    _check("replicates", replicates, integer=True)
+    _check("epsilon", epsilon)
+    _check("max_lr", max_lr, allow_none=True)
+    _check("clip_grad_norm", clip_grad_norm, allow_none=True)
+    _check("fuse_microbatches", fuse_microbatches, integer=True)
+    _check("frozen_microbatches", frozen_microbatches, positive=False, integer=True)
+    if isinstance(cooldown, bool) or not isinstance(cooldown, (int, float)) or not 0.0 <= cooldown <= 1.0:
+        raise ValueError(f"{_OWNER}(cooldown={cooldown!r}): must be a fraction of the branch in [0, 1] (0: none)")
+    if cooldown_shape not in COOLDOWN_SHAPES:
+        raise ValueError(f"{_OWNER}(cooldown_shape={cooldown_shape!r}): must be one of {COOLDOWN_SHAPES}")
+    if isinstance(cooldown_to, bool) or not isinstance(cooldown_to, (int, float)) or not 0.0 <= cooldown_to <= 1.0:
+        raise ValueError(f"{_OWNER}(cooldown_to={cooldown_to!r}): must be a fraction of the LR in [0, 1]")
+    if 0 < frozen_microbatches < 8:
+        raise ValueError(f"{_OWNER}(frozen_microbatches={frozen_microbatches}): 0 (skip) or >= 8 (two groups of 4)")
+    for name, fn in callables.items():
+        if not callable(fn):
+            raise TypeError(f"{_OWNER}({name}={fn!r}): expected a callable")
+    if isinstance(multiples, (str, bytes)) or not all(
+            isinstance(m, (int, float)) and not isinstance(m, bool) for m in multiples):
+        raise TypeError(f"{_OWNER}(multiples={multiples!r}): expected a sequence of numbers > 0")
+    for m in multiples:
+        _check("multiples", m)
+    return sorted({float(m) for m in multiples} | {1.0})
+
+
+def _branch_steps(mults: list[float], multiples: Sequence[float], *, batch: float, microbatch_size: float,
+                  branch_tokens: float) -> tuple[dict[float, int], dict[float, int], float]:
+    """Microbatches per step and steps of each multiple's branch, and the units every branch trains on
+    (the same samples for every batch)."""
+    accum: dict[float, int] = {}
+    for m in mults:
+        micro = m * batch / microbatch_size
+        if micro < 1 or abs(micro - round(micro)) > 1e-9:
+            raise ValueError(f"{_OWNER}(multiples={list(multiples)}): {m:g} x batch {batch:g} = {m * batch:g} is not "
+                             f"a whole number of microbatches of {microbatch_size:g}; allowed: multiples whose batch "
+                             "is a multiple of microbatch_size")
+        accum[m] = int(round(micro))
+    top = accum[max(mults)]
+    uneven = [m for m in mults if top % accum[m]]
+    if uneven:
+        raise ValueError(f"{_OWNER}(multiples={list(multiples)}): the largest batch is not a whole number of "
+                         f"steps of {[f'{m:g}' for m in uneven]} x batch; allowed: multiples that each divide the "
+                         "largest (powers of two, say), so every branch trains on the same samples")
+    largest = max(mults) * batch
+    steps_of = {m: int(branch_tokens // largest) * accum[max(mults)] // accum[m] for m in mults}
+    if steps_of[max(mults)] < 1:
+        raise ValueError(f"{_OWNER}(branch_tokens={branch_tokens:g}): less than one step of the largest "
+                         f"batch {largest:g}")
+    return accum, steps_of, int(branch_tokens // largest) * largest
+
+
+def _branch_base_lrs(optimizer: torch.optim.Optimizer, tracker: Any, max_lr: float | None,
+                     pending_factor: float) -> tuple[list[float], float | None]:
+    """The param groups' LRs a branch starts from (a pending doubling's coupling in them), and the cap on
+    group 0's coupled LR (the tracker's peak when it caps there and the caller gave none)."""
+    base_lrs = _group_lrs(optimizer)
+    session = getattr(tracker, "session", None)
+    if max_lr is None and getattr(session, "cap_lr_at_peak", False) and optimizer.param_groups:
+        group = optimizer.param_groups[0]  # the tracker caps the coupled LR at its peak: so do the branches
+        max_lr = float(group.get("max_lr", group.get("initial_lr", base_lrs[0])))
+    if pending_factor != 1.0:  # the next window's batch runs at its own coupling, not the last window's
+        capped = pending_factor if max_lr is None or base_lrs[0] <= 0 else min(
+            pending_factor, max(1.0, max_lr / base_lrs[0]))
+        base_lrs = [lr * capped for lr in base_lrs]
+    return base_lrs, max_lr
+
+
 def measure_critical_batch(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -659,79 +752,23 @@ def measure_critical_batch(
     inner = getattr(optimizer, "optimizer", None)  # Accelerate's wrapper: the optimizer it steps
     if isinstance(inner, torch.optim.Optimizer):
         optimizer = inner
-    pending_factor = 1.0
-    if tracker is not None:
-        if batch is None:
-            batch, pending_factor = _next_window(tracker)
-        tokens = tracker.tokens_seen if tokens is None else tokens
-        session = getattr(tracker, "session", None)
-        if lr_coupling in (None, "auto") and getattr(session, "optimizer", None) is not None:
-            lr_coupling = getattr(session, "coupling_mode", None)
-    if batch is None:
-        raise ValueError(f"{_OWNER}(batch=None): give the run's global batch, or a tracker that has taken a step")
-    tokens = 0.0 if tokens is None else tokens
-    _check("batch", batch)
-    _check("tokens", tokens, positive=False)
-    _check("microbatch_size", microbatch_size)
-    _check("branch_tokens", branch_tokens)
-    _check("replicates", replicates, integer=True)
-    _check("epsilon", epsilon)
-    _check("max_lr", max_lr, allow_none=True)
-    _check("clip_grad_norm", clip_grad_norm, allow_none=True)
-    _check("fuse_microbatches", fuse_microbatches, integer=True)
-    _check("frozen_microbatches", frozen_microbatches, positive=False, integer=True)
-    if isinstance(cooldown, bool) or not isinstance(cooldown, (int, float)) or not 0.0 <= cooldown <= 1.0:
-        raise ValueError(f"{_OWNER}(cooldown={cooldown!r}): must be a fraction of the branch in [0, 1] (0: none)")
-    if cooldown_shape not in COOLDOWN_SHAPES:
-        raise ValueError(f"{_OWNER}(cooldown_shape={cooldown_shape!r}): must be one of {COOLDOWN_SHAPES}")
-    if isinstance(cooldown_to, bool) or not isinstance(cooldown_to, (int, float)) or not 0.0 <= cooldown_to <= 1.0:
-        raise ValueError(f"{_OWNER}(cooldown_to={cooldown_to!r}): must be a fraction of the LR in [0, 1]")
-    if 0 < frozen_microbatches < 8:
-        raise ValueError(f"{_OWNER}(frozen_microbatches={frozen_microbatches}): 0 (skip) or >= 8 (two groups of 4)")
-    for name, fn in (("loss_fn", loss_fn), ("data", data), ("evaluate", evaluate)):
-        if not callable(fn):
-            raise TypeError(f"{_OWNER}({name}={fn!r}): expected a callable")
-    if isinstance(multiples, (str, bytes)) or not all(
-            isinstance(m, (int, float)) and not isinstance(m, bool) for m in multiples):
-        raise TypeError(f"{_OWNER}(multiples={multiples!r}): expected a sequence of numbers > 0")
-    for m in multiples:
-        _check("multiples", m)
-    mults = sorted({float(m) for m in multiples} | {1.0})
+    batch, tokens, lr_coupling, pending_factor = _from_tracker(tracker, batch, tokens, lr_coupling)
+    mults = _checked_multiples(
+        batch=batch, tokens=tokens, microbatch_size=microbatch_size, branch_tokens=branch_tokens,
+        replicates=replicates, epsilon=epsilon, max_lr=max_lr, clip_grad_norm=clip_grad_norm,
+        fuse_microbatches=fuse_microbatches, frozen_microbatches=frozen_microbatches, cooldown=cooldown,
+        cooldown_shape=cooldown_shape, cooldown_to=cooldown_to,
+        callables={"loss_fn": loss_fn, "data": data, "evaluate": evaluate}, multiples=multiples,
+    )
     coupling = resolve_coupling(lr_coupling, optimizer, owner=_OWNER)
-    accum: dict[float, int] = {}
-    for m in mults:
-        micro = m * batch / microbatch_size
-        if micro < 1 or abs(micro - round(micro)) > 1e-9:
-            raise ValueError(f"{_OWNER}(multiples={list(multiples)}): {m:g} x batch {batch:g} = {m * batch:g} is not "
-                             f"a whole number of microbatches of {microbatch_size:g}; allowed: multiples whose batch "
-                             "is a multiple of microbatch_size")
-        accum[m] = int(round(micro))
-    top = accum[max(mults)]
-    uneven = [m for m in mults if top % accum[m]]
-    if uneven:
-        raise ValueError(f"{_OWNER}(multiples={list(multiples)}): the largest batch is not a whole number of "
-                         f"steps of {[f'{m:g}' for m in uneven]} x batch; allowed: multiples that each divide the "
-                         "largest (powers of two, say), so every branch trains on the same samples")
-    largest = max(mults) * batch
-    steps_of = {m: int(branch_tokens // largest) * accum[max(mults)] // accum[m] for m in mults}
-    if steps_of[max(mults)] < 1:
-        raise ValueError(f"{_OWNER}(branch_tokens={branch_tokens:g}): less than one step of the largest "
-                         f"batch {largest:g}")
-    per_branch = int(branch_tokens // largest) * largest
+    accum, steps_of, per_branch = _branch_steps(mults, multiples, batch=batch, microbatch_size=microbatch_size,
+                                                branch_tokens=branch_tokens)
     if lr_schedule is not None:
         lr0 = float(lr_schedule(tokens))
         if not (math.isfinite(lr0) and lr0 > 0):
             raise ValueError(f"{_OWNER}: lr_schedule(tokens={tokens:g}) = {lr0!r}; the schedule must be > 0 "
                              "at the branch point")
-    base_lrs = _group_lrs(optimizer)
-    session = getattr(tracker, "session", None)
-    if max_lr is None and getattr(session, "cap_lr_at_peak", False) and optimizer.param_groups:
-        group = optimizer.param_groups[0]  # the tracker caps the coupled LR at its peak: so do the branches
-        max_lr = float(group.get("max_lr", group.get("initial_lr", base_lrs[0])))
-    if pending_factor != 1.0:  # the next window's batch runs at its own coupling, not the last window's
-        capped = pending_factor if max_lr is None or base_lrs[0] <= 0 else min(
-            pending_factor, max(1.0, max_lr / base_lrs[0]))
-        base_lrs = [lr * capped for lr in base_lrs]
+    base_lrs, max_lr = _branch_base_lrs(optimizer, tracker, max_lr, pending_factor)
 
     def lr_factor_at(m: float, lr_mult: float) -> Callable[[int], float]:
         factors = branch_lr_factors(steps_of[m], step_units=m * batch, tokens=tokens, lr_mult=lr_mult,

@@ -620,83 +620,8 @@ class NoiseScaleEstimator:
             ValueError: a value is out of range, or the version is unknown.
         """
         where = "NoiseScaleEstimator.load_state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(f"{where}(state={type(state).__name__}): expected a mapping from state_dict()")
-        required = ("version", "horizon", "ema_grad_sq", "ema_trace", "keep", "steps")
-        missing = [k for k in required if k not in state]
-        version = state.get("version")
-        if not missing and (not isinstance(version, int) or isinstance(version, bool)):
-            raise TypeError(f"{where}: version={version!r} must be an integer")
-        if not missing and not 1 <= version <= ESTIMATOR_STATE_VERSION:  # type: ignore[operator]
-            newer = version > ESTIMATOR_STATE_VERSION  # type: ignore[operator]
-            raise ValueError(
-                f"{where}: state version {version} is "
-                + (f"newer than the supported version {ESTIMATOR_STATE_VERSION}; upgrade cbs-tracker"
-                   if newer else f"unknown; expected 1..{ESTIMATOR_STATE_VERSION}")
-            )
-        if version >= 2:  # type: ignore[operator]
-            required += ("units_seen", "moments_keep", "w2", "w2_per_unit", "q_gg", "q_tt", "q_gt", "l_g", "l_t")
-            missing = [k for k in required if k not in state]
-        if missing:
-            raise KeyError(f"{where}: missing keys {missing}")
-
-        def real(key: str, low: float = -math.inf, high: float = math.inf, default: float = 0.0) -> float:
-            value = state.get(key, default)
-            if not _is_real(value):
-                raise TypeError(f"{where}: {key}={value!r} must be a real number")
-            if not (math.isfinite(value) and low <= value <= high):  # type: ignore[arg-type,operator]
-                raise ValueError(f"{where}: {key}={value!r} must be finite and in [{low}, {high}]")
-            return float(value)  # type: ignore[arg-type]
-
-        def optional_positive(key: str) -> float | None:
-            value = state.get(key)
-            if value is None:
-                return None
-            if not _is_real(value):
-                raise TypeError(f"{where}: {key}={value!r} must be a positive number or None")
-            if not (math.isfinite(value) and value > 0):  # type: ignore[arg-type,operator]
-                raise ValueError(f"{where}: {key}={value!r} must be a positive number or None")
-            return float(value)  # type: ignore[arg-type]
-
-        steps = state["steps"]
-        if not isinstance(steps, int) or isinstance(steps, bool):
-            raise TypeError(f"{where}: steps={steps!r} must be an integer >= 0")
-        if steps < 0:
-            raise ValueError(f"{where}: steps={steps!r} must be an integer >= 0")
-        horizon = optional_positive("horizon")
-        first_units = optional_positive("first_units")
-        keep = real("keep", 0.0, 1.0)
-        if steps > 0 and not keep < 1.0 and state.get("memory") != "window":
-            raise ValueError(f"{where}: keep={keep!r} must be below 1 once steps > 0 (steps={steps})")
-        ema_grad_sq, ema_trace = real("ema_grad_sq"), real("ema_trace")
-        if version == 1:
-            # A version-1 state holds no second moments: they restart empty and the
-            # units seen follow from the fixed horizon it was saved with.
-            units_seen = -math.log(keep) * horizon if (horizon is not None and keep > 0) else 0.0
-            moments_keep = 1.0
-            moments = dict.fromkeys(("w2", "w2_per_unit", "q_gg", "q_tt", "q_gt", "l_g", "l_t"), 0.0)
-            memory = "fixed"
-        else:
-            units_seen = real("units_seen", 0.0)
-            moments_keep = real("moments_keep", keep, 1.0)
-            moments = {k: real(k, 0.0) for k in ("w2", "w2_per_unit", "q_gg", "q_tt")}
-            moments.update({k: real(k) for k in ("q_gt", "l_g", "l_t")})
-            memory = state.get("memory", "adaptive")
-            if memory not in ("window", "adaptive", "fixed"):
-                raise ValueError(f"{where}: memory={memory!r} must be 'window', 'adaptive' or 'fixed'")
-        window_state = None
-        if memory == "window":
-            saved_window = state.get("window")
-            if not isinstance(saved_window, Mapping):
-                raise KeyError(f"{where}: missing keys ['window'] (a state saved with memory='window')")
-            window_state = DriftWindow.check_state(saved_window, where)
-        recent = {}
-        for key in ("recent_grad_sq", "recent_trace"):
-            values = state.get(key, [])
-            if not isinstance(values, (list, tuple)) or not all(_is_real(v) and math.isfinite(v) for v in values):
-                raise TypeError(f"{where}: {key} must be a list of finite real numbers")
-            recent[key] = [float(v) for v in values]
-
+        read = _read_state(state, where)
+        memory, horizon = read["memory"], read["horizon"]
         notes = []
         if memory != self.memory:
             notes.append(f"it was saved with a {memory} memory, this estimator has a {self.memory} one")
@@ -713,8 +638,9 @@ class NoiseScaleEstimator:
         self._reset_state()
         if restart:
             return
-        if self._window is not None and window_state is not None:
-            self._window.load(*window_state)
+        if self._window is not None and read["window"] is not None:
+            self._window.load(*read["window"])
+        first_units, steps = read["first_units"], read["steps"]
         if self._configured_horizon is None:
             if self.horizon_steps is not None and first_units is None and steps > 0:
                 self._horizon = horizon  # version 1: its horizon was derived the same way
@@ -722,16 +648,110 @@ class NoiseScaleEstimator:
             else:
                 self._horizon = horizon
         self._first_units = first_units
-        self._units_seen = units_seen
+        self._units_seen = read["units_seen"]
         self._steps = steps
-        self._keep = keep
-        self._moments_keep = moments_keep
-        self._ema_grad_sq, self._ema_trace = ema_grad_sq, ema_trace
+        self._keep = read["keep"]
+        self._moments_keep = read["moments_keep"]
+        self._ema_grad_sq, self._ema_trace = read["ema_grad_sq"], read["ema_trace"]
+        moments = read["moments"]
         self._w2, self._w2_per_unit = moments["w2"], moments["w2_per_unit"]
         self._q_gg, self._q_tt, self._q_gt = moments["q_gg"], moments["q_tt"], moments["q_gt"]
         self._l_g, self._l_t = moments["l_g"], moments["l_t"]
-        self._recent_grad_sq.extend(recent["recent_grad_sq"])
-        self._recent_trace.extend(recent["recent_trace"])
+        self._recent_grad_sq.extend(read["recent_grad_sq"])
+        self._recent_trace.extend(read["recent_trace"])
+
+
+# ---------------------------------------------------------------------- the estimator's state schema
+# What NoiseScaleEstimator.state_dict() holds, by the version that added it. Version 1 (before the
+# interval) held the averages only: its second moments restart empty, its units seen follow from
+# its fixed horizon. Version 2 added the moments below, version 3 "memory" (default "adaptive") and,
+# for memory="window", "window". A key added later takes a default in _read_state and leaves the
+# version as it is.
+_REQUIRED_V1 = ("version", "horizon", "ema_grad_sq", "ema_trace", "keep", "steps")
+_REQUIRED_V2 = ("units_seen", "moments_keep", "w2", "w2_per_unit", "q_gg", "q_tt", "q_gt", "l_g", "l_t")
+#: the version-2 second moments and their lower bounds (the upper is +inf)
+_MOMENTS = {"w2": 0.0, "w2_per_unit": 0.0, "q_gg": 0.0, "q_tt": 0.0, "q_gt": -math.inf, "l_g": -math.inf,
+            "l_t": -math.inf}
+
+
+def _read_version(state: Mapping[str, object], where: str) -> int:
+    """The state's version, after the keys every version requires (KeyError names the missing ones)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{where}(state={type(state).__name__}): expected a mapping from state_dict()")
+    missing = [k for k in _REQUIRED_V1 if k not in state]
+    version = state.get("version")
+    if not missing and (not isinstance(version, int) or isinstance(version, bool)):
+        raise TypeError(f"{where}: version={version!r} must be an integer")
+    if not missing and not 1 <= version <= ESTIMATOR_STATE_VERSION:  # type: ignore[operator]
+        newer = version > ESTIMATOR_STATE_VERSION  # type: ignore[operator]
+        raise ValueError(
+            f"{where}: state version {version} is "
+            + (f"newer than the supported version {ESTIMATOR_STATE_VERSION}; upgrade cbs-tracker"
+               if newer else f"unknown; expected 1..{ESTIMATOR_STATE_VERSION}")
+        )
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 2:
+        missing = [k for k in _REQUIRED_V1 + _REQUIRED_V2 if k not in state]
+    if missing:
+        raise KeyError(f"{where}: missing keys {missing}")
+    return version  # type: ignore[return-value]
+
+
+def _real(state: Mapping[str, object], where: str, key: str, low: float = -math.inf, high: float = math.inf) -> float:
+    value = state.get(key, 0.0)
+    if not _is_real(value):
+        raise TypeError(f"{where}: {key}={value!r} must be a real number")
+    if not (math.isfinite(value) and low <= value <= high):  # type: ignore[arg-type,operator]
+        raise ValueError(f"{where}: {key}={value!r} must be finite and in [{low}, {high}]")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _optional_positive(state: Mapping[str, object], where: str, key: str) -> float | None:
+    value = state.get(key)
+    if value is None:
+        return None
+    if not _is_real(value) or not (math.isfinite(value) and value > 0):  # type: ignore[arg-type,operator]
+        error = TypeError if not _is_real(value) else ValueError
+        raise error(f"{where}: {key}={value!r} must be a positive number or None")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _read_state(state: Mapping[str, object], where: str) -> dict[str, object]:
+    """Every value of an estimator state, checked (nothing assigned): the estimator's schema."""
+    version = _read_version(state, where)
+    steps = state["steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        raise TypeError(f"{where}: steps={steps!r} must be an integer >= 0")
+    if steps < 0:
+        raise ValueError(f"{where}: steps={steps!r} must be an integer >= 0")
+    horizon = _optional_positive(state, where, "horizon")
+    read: dict[str, object] = {"steps": steps, "horizon": horizon,
+                               "first_units": _optional_positive(state, where, "first_units")}
+    keep = read["keep"] = _real(state, where, "keep", 0.0, 1.0)
+    if steps > 0 and not keep < 1.0 and state.get("memory") != "window":
+        raise ValueError(f"{where}: keep={keep!r} must be below 1 once steps > 0 (steps={steps})")
+    read["ema_grad_sq"], read["ema_trace"] = _real(state, where, "ema_grad_sq"), _real(state, where, "ema_trace")
+    if version == 1:
+        read.update(units_seen=-math.log(keep) * horizon if (horizon is not None and keep > 0) else 0.0,
+                    moments_keep=1.0, moments=dict.fromkeys(_MOMENTS, 0.0), memory="fixed")
+    else:
+        read.update(units_seen=_real(state, where, "units_seen", 0.0),
+                    moments_keep=_real(state, where, "moments_keep", keep, 1.0),
+                    moments={k: _real(state, where, k, low) for k, low in _MOMENTS.items()},
+                    memory=state.get("memory", "adaptive"))
+        if read["memory"] not in ("window", "adaptive", "fixed"):
+            raise ValueError(f"{where}: memory={read['memory']!r} must be 'window', 'adaptive' or 'fixed'")
+    read["window"] = None
+    if read["memory"] == "window":
+        saved_window = state.get("window")
+        if not isinstance(saved_window, Mapping):
+            raise KeyError(f"{where}: missing keys ['window'] (a state saved with memory='window')")
+        read["window"] = DriftWindow.check_state(saved_window, where)
+    for key in ("recent_grad_sq", "recent_trace"):
+        values = state.get(key, [])
+        if not isinstance(values, (list, tuple)) or not all(_is_real(v) and math.isfinite(v) for v in values):
+            raise TypeError(f"{where}: {key} must be a list of finite real numbers")
+        read[key] = [float(v) for v in values]
+    return read
 
 
 def _quantile(ordered: list[float], q: float) -> float:

@@ -4,7 +4,7 @@ An adapter (plain loop, Lightning, FSDP2, Hugging Face) places the hooks, reads
 the big norm through :func:`~cbs_tracker.core.measure.reduce_window`, hands the
 result to :meth:`TrackingSession.finish_step`, and decides **when** a pending
 accumulation takes effect (:meth:`TrackingSession.apply_pending`). Everything
-else is here, once. See docs/design.md ("Architecture").
+else is here, once. See docs/design.md ("Adapt").
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from cbs_tracker.core.collector import StepStats
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.measure import REPLICA_TOLERANCE, WindowFaults
 from cbs_tracker.core.record import PENDING_FIELDS, StepRecord, Unit
+from cbs_tracker.policy._state import StateReader
 from cbs_tracker.policy.lr import ScheduleTimer, coupling_factor, resolve_coupling
 from cbs_tracker.policy.ranks import RankChange, plain_number
 
@@ -790,8 +791,9 @@ class TrackingSession:
         See :mod:`cbs_tracker.policy.ranks`. Warns once when the global batch cannot be split
         evenly over the new ranks, naming both batches.
         """
-        accumulation = _int(state, "accumulation_steps", where, minimum=1)
-        pending = _int(state, "pending_accumulation_steps", where, minimum=0, default=0)
+        r = StateReader(state, where)
+        accumulation = r.integer("accumulation_steps", minimum=1)
+        pending = r.integer("pending_accumulation_steps", minimum=0, default=0)
         controller_state = state.get("controller")
         if self.controller is not None and controller_state is not None and not callable(
             getattr(self.controller, "convert_ranks", None)
@@ -810,9 +812,9 @@ class TrackingSession:
         new_pending = change.accumulation(pending) if pending > 0 else None
         out["pending_accumulation_steps"] = 0 if new_pending is None or new_pending == change.new_accumulation \
             else new_pending
-        start = _count(state, "starting_accumulation", where, default=self.starting_accumulation)
+        start = _count(r, "starting_accumulation", default=self.starting_accumulation)
         out["starting_accumulation"] = plain_number(start * change.per_rank)
-        carry = _float(state, "starting_batch_carry", where, minimum=0.0, default=0.0)
+        carry = r.number("starting_batch_carry", minimum=0.0, default=0.0)
         out["starting_batch_carry"] = carry * change.per_rank
         if self.controller is not None and controller_state is not None:
             out["controller"] = self.controller.convert_ranks(controller_state, change,
@@ -858,6 +860,9 @@ class TrackingSession:
     def load_state_dict(self, state: Any) -> None:
         """Restore :meth:`state_dict` output; validates everything before changing anything.
 
+        The keys are read by :func:`_read_state` (the session's state schema, with the defaults
+        of keys added after version 1).
+
         Raises:
             TypeError: ``state`` is not a mapping, or a value has the wrong type.
             KeyError: a required key is missing.
@@ -869,52 +874,44 @@ class TrackingSession:
         if not isinstance(state, dict):
             raise TypeError(f"{where}: expected the dict from state_dict(), got {type(state).__name__}")
         self._record_current = False  # the estimator is about to change: the next record reads it again
-        required = ("version", "step", "tokens_seen", "accumulation_steps", "dp_degree", "estimator")
-        missing = [k for k in required if k not in state]
-        if missing:
-            raise KeyError(f"{where}: missing keys {missing}")
-        version = state["version"]
-        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SESSION_STATE_VERSION:
-            newer = isinstance(version, int) and not isinstance(version, bool) and version > SESSION_STATE_VERSION
-            raise ValueError(
-                f"{where}: state version {version!r} is "
-                + (f"newer than {SESSION_STATE_VERSION}; upgrade cbs-tracker" if newer
-                   else f"not a version this cbs-tracker writes (an int from 1 to {SESSION_STATE_VERSION})")
-            )
-        unit = state.get("unit", self.unit)
-        if unit != self.unit:
-            raise ValueError(
-                f"{where}: the checkpoint counts {unit!r} but this run counts {self.unit!r} (unit=); "
-                "the noise scale and batch sizes would mix units"
-            )
-        dp = _int(state, "dp_degree", where, minimum=1)
+        _check_header(state, where, self.unit)
+        dp = StateReader(state, where).integer("dp_degree", minimum=1)
         change = None
         self._resume_warning: tuple[str, str] | None = None
         if dp != self.dp_degree:
             state, change = self._convert_ranks(state, dp, where)
-        step = _int(state, "step", where, minimum=0)
-        seen = _float(state, "tokens_seen", where, minimum=0.0)
-        accumulation = _int(state, "accumulation_steps", where, minimum=1)
-        pending = _int(state, "pending_accumulation_steps", where, minimum=0, default=0)
-        start = _count(state, "starting_accumulation", where, default=self.starting_accumulation)
-        sb_steps = _int(state, "starting_batch_steps", where, minimum=0, default=step)
-        sb_carry = _float(state, "starting_batch_carry", where, minimum=0.0, default=0.0)
-        coupling = _float(state, "lr_coupling", where, minimum=0.0, default=1.0, positive=True)
-        if "pending_lr_factor" in state:  # version 1: a factor waiting for the next window
-            _float(state, "pending_lr_factor", where, minimum=0.0, positive=True)
-        warned = state.get("warned", ["single_microbatch"] if state.get("warned_single") else [])
-        if not isinstance(warned, (list, tuple)) or not all(isinstance(w, str) for w in warned):
-            raise TypeError(f"{where}: 'warned' must be a list of str, got {warned!r}")
-        schedule = state.get("schedule")
-        if schedule is not None:
-            if not isinstance(schedule, dict) or not isinstance(schedule.get("scheduled_lrs"), (list, tuple)):
-                raise TypeError(f"{where}: 'schedule' must be None or a dict with 'scheduled_lrs', got {schedule!r}")
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in schedule["scheduled_lrs"]):
-                raise ValueError(f"{where}: 'schedule.scheduled_lrs' must hold finite numbers >= 0")
-            _int(schedule, "owed", where + " schedule", minimum=0)
-            _int(schedule, "carry", where + " schedule", minimum=0, default=0)
-            _int(schedule, "due", where + " schedule", minimum=0, default=0)
-        # nested parts: validate and load atomically (restore both on failure)
+        read = _read_state(state, where, self.starting_accumulation)
+        self._load_parts(state)  # the estimator and the controller, atomically
+        self.step = read["step"]
+        self.units_seen = read["tokens_seen"]
+        self.resumed_from = change
+        # an uneven split: the LR follows the batch that runs, set when the next window starts (after a
+        # pending change, and over an optimizer loaded after the tracker with the saved coupling in its LR)
+        self._recouple = (change is not None and not change.exact) or read["recouple"]
+        self.starting_batch_steps = read["starting_batch_steps"]
+        self.starting_batch_carry = read["starting_batch_carry"]
+        self.starting_accumulation = read["starting_accumulation"]
+        self.accumulation_steps = read["accumulation_steps"]
+        pending = read["pending_accumulation_steps"]
+        self.pending_accumulation = pending if pending > 0 else None
+        self.coupling = read["lr_coupling"]
+        self._warned = set(read["warned"])
+        if self._resume_warning is not None:
+            key, message = self._resume_warning
+            self._resume_warning = None
+            self.warn_once(key, message)
+        if read["cadence"] is not None:
+            self.cadence.load_state_dict(read["cadence"])
+        schedule = read["schedule"]
+        if self.timer is not None:
+            self.timer.coupling = read["lr_coupling"]
+            if schedule is not None:
+                self.timer.load_state_dict(schedule)
+        else:
+            self._pending_schedule_state = schedule
+
+    def _load_parts(self, state: dict[str, Any]) -> None:
+        """Load the nested estimator and controller states, restoring both if either fails."""
         est_before = self.estimator.state_dict()
         ctl_before = None if self.controller is None else self.controller.state_dict()
         try:
@@ -926,32 +923,81 @@ class TrackingSession:
             if self.controller is not None and ctl_before is not None:
                 self.controller.load_state_dict(ctl_before)
             raise
-        self.step = step
-        self.units_seen = seen
-        self.resumed_from = change
-        # an uneven split: the LR follows the batch that runs, set when the next window starts (after a
-        # pending change, and over an optimizer loaded after the tracker with the saved coupling in its LR)
-        self._recouple = (change is not None and not change.exact) or bool(state.get("recouple", 0))
-        self.starting_batch_steps = sb_steps
-        self.starting_batch_carry = sb_carry
-        self.starting_accumulation = start
-        self.accumulation_steps = accumulation
-        self.pending_accumulation = pending if pending > 0 else None
-        self.coupling = coupling
-        self._warned = set(warned)
-        if self._resume_warning is not None:
-            key, message = self._resume_warning
-            self._resume_warning = None
-            self.warn_once(key, message)
-        cadence = state.get("cadence")
-        if isinstance(cadence, dict):
-            self.cadence.load_state_dict(cadence)
-        if self.timer is not None:
-            self.timer.coupling = coupling
-            if schedule is not None:
-                self.timer.load_state_dict(schedule)
-        else:
-            self._pending_schedule_state = schedule
+
+
+# ---------------------------------------------------------------------- the session's state schema
+# What TrackingSession.state_dict() holds, read through policy/_state.py's StateReader.
+# Version 1 (the first release) lacked "starting_batch_steps", "starting_batch_carry",
+# "lr_coupling", "schedule", "warned" (it had "warned_single"), "cadence" and "recouple": each
+# has the default below, so a version-1 state starts those fresh. Version 2 also dropped
+# "pending_lr_factor" (still checked when present). A key added later takes a default here and
+# leaves the version as it is; a key whose meaning changes raises SESSION_STATE_VERSION.
+_REQUIRED_KEYS = ("version", "step", "tokens_seen", "accumulation_steps", "dp_degree", "estimator")
+
+
+def _check_header(state: dict[str, Any], where: str, unit: str) -> None:
+    """The required keys, the version and the unit."""
+    missing = [k for k in _REQUIRED_KEYS if k not in state]
+    if missing:
+        raise KeyError(f"{where}: missing keys {missing}")
+    version = state["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SESSION_STATE_VERSION:
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > SESSION_STATE_VERSION
+        raise ValueError(
+            f"{where}: state version {version!r} is "
+            + (f"newer than {SESSION_STATE_VERSION}; upgrade cbs-tracker" if newer
+               else f"not a version this cbs-tracker writes (an int from 1 to {SESSION_STATE_VERSION})")
+        )
+    saved = state.get("unit", unit)
+    if saved != unit:
+        raise ValueError(
+            f"{where}: the checkpoint counts {saved!r} but this run counts {unit!r} (unit=); "
+            "the noise scale and batch sizes would mix units"
+        )
+
+
+def _read_state(state: dict[str, Any], where: str, starting_accumulation: float) -> dict[str, Any]:
+    """Every top-level value of a session state, checked (nothing assigned): the session's schema."""
+    r = StateReader(state, where)
+    step = r.integer("step", minimum=0)
+    read = {
+        "step": step,
+        "tokens_seen": r.number("tokens_seen", minimum=0.0),
+        "accumulation_steps": r.integer("accumulation_steps", minimum=1),
+        "pending_accumulation_steps": r.integer("pending_accumulation_steps", minimum=0, default=0),
+        "starting_accumulation": _count(r, "starting_accumulation", default=starting_accumulation),
+        "starting_batch_steps": r.integer("starting_batch_steps", minimum=0, default=step),
+        "starting_batch_carry": r.number("starting_batch_carry", minimum=0.0, default=0.0),
+        "lr_coupling": r.number("lr_coupling", positive=True, default=1.0),
+    }
+    if "pending_lr_factor" in state:  # version 1: a factor waiting for the next window
+        r.number("pending_lr_factor", positive=True)
+    warned = state.get("warned", ["single_microbatch"] if state.get("warned_single") else [])
+    if not isinstance(warned, (list, tuple)) or not all(isinstance(w, str) for w in warned):
+        raise TypeError(f"{where}: 'warned' must be a list of str, got {warned!r}")
+    cadence = state.get("cadence")
+    return {
+        **read,
+        "warned": list(warned),
+        "schedule": _read_schedule(state.get("schedule"), where),
+        "cadence": cadence if isinstance(cadence, dict) else None,
+        "recouple": bool(state.get("recouple", 0)),
+    }
+
+
+def _read_schedule(schedule: Any, where: str) -> dict[str, Any] | None:
+    """The LR schedule's timer state (``None``: no scheduler was attached), checked."""
+    if schedule is None:
+        return None
+    if not isinstance(schedule, dict) or not isinstance(schedule.get("scheduled_lrs"), (list, tuple)):
+        raise TypeError(f"{where}: 'schedule' must be None or a dict with 'scheduled_lrs', got {schedule!r}")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in schedule["scheduled_lrs"]):
+        raise ValueError(f"{where}: 'schedule.scheduled_lrs' must hold finite numbers >= 0")
+    r = StateReader(schedule, where + " schedule")
+    r.integer("owed", minimum=0)
+    r.integer("carry", minimum=0, default=0)
+    r.integer("due", minimum=0, default=0)
+    return schedule
 
 
 def _micro_units(controller_state: Any, dp: int) -> float | None:
@@ -963,42 +1009,14 @@ def _micro_units(controller_state: Any, dp: int) -> float | None:
     return units / (accum * dp) if accum > 0 and units > 0 else None
 
 
-def _count(state: Any, key: str, where: str, *, default: float) -> int | float:
-    """A positive count: an int, or a fraction of a microbatch per rank after a resume on more ranks."""
-    if isinstance(state.get(key), float):
-        return plain_number(_float(state, key, where, minimum=0.0, positive=True))
-    return _int(state, key, where, minimum=1, default=default)  # type: ignore[arg-type]
-
-
-def _int(state: Any, key: str, where: str, *, minimum: int, default: int | None = None) -> int:
-    if key not in state:
-        if default is None:
-            raise KeyError(f"{where}: missing key {key!r}")
+def _count(r: StateReader, key: str, *, default: float) -> int | float:
+    """A positive count: an int, or a fraction of a microbatch per rank after a resume on more ranks;
+    ``default`` (this session's own, possibly a fraction) where the state has none."""
+    if key not in r.state:
         return default
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: {key!r} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{where}: {key!r} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _float(
-    state: Any, key: str, where: str, *, minimum: float, default: float | None = None, positive: bool = False
-) -> float:
-    if key not in state:
-        if default is None:
-            raise KeyError(f"{where}: missing key {key!r}")
-        return default
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where}: {key!r} must be a number, got {value!r}")
-    value = float(value)
-    bad = not math.isfinite(value) or value < minimum or (positive and value <= 0)
-    if bad:
-        what = "> 0" if positive else f">= {minimum}"
-        raise ValueError(f"{where}: {key!r} must be a finite number {what}, got {state[key]!r}")
-    return value
+    if isinstance(r.state.get(key), float):
+        return plain_number(r.number(key, positive=True))
+    return r.integer(key, minimum=1)
 
 
 class _Deferred:

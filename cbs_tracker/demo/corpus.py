@@ -4,7 +4,7 @@
 256, no download; the last 1% is the validation split); :class:`SequenceStream` draws
 training windows so that sequence ``i`` depends only on ``(seed, i)``, whatever the
 microbatch and rank split, and :func:`evaluate` gives the validation loss.
-``docs/design.md`` (Demo data) says which files are included and why.
+``docs/history-2026.md`` (Demo data, in the design page's reasoning) says which files are included and why.
 """
 
 from __future__ import annotations

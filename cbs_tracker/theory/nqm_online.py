@@ -5,7 +5,7 @@ Runs :class:`~cbs_tracker.policy.controller.BatchSizeController` on the NQM of
 noise scale or the library's :class:`~cbs_tracker.core.estimator.NoiseScaleEstimator`
 on sampled gradients, budget-unaware and budget-aware. Importing this module
 registers those rows with :func:`cbs_tracker.theory.nqm.register_row`, so
-``cbs-tracker nqm`` prints them; ``docs/design.md`` (Theory) explains the variants.
+``cbs-tracker nqm`` prints them; ``docs/history-2026.md`` (The controller on the NQM) explains the variants.
 """
 
 from __future__ import annotations
