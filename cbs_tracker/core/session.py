@@ -180,6 +180,11 @@ class TrackingSession:
         #: windows not measured whose sizes are still on their way to the host, oldest first
         self._deferred: list[_Deferred] = []
         self.starting_batch_steps = 0
+        #: units of the first step (all ranks), a whole window at the starting accumulation: the starting
+        #: global batch that converts a run length in steps or microbatches to units (``None``: not yet)
+        self.starting_units: float | None = None
+        self._run_length: tuple[str, float] | None = None  # set_run_length's (kind, value)
+        self._run_length_sent: float | None = None  # the units last given to the controller
         #: microbatches per rank of the last whole windows not yet a whole starting-batch step
         self.starting_batch_carry = 0.0
         self.accumulation_steps = self.starting_accumulation
@@ -326,6 +331,60 @@ class TrackingSession:
             ratio = min(ratio, max(1.0, peak / lr_now)) if lr_now > 0 else ratio
         apply_lr_factor(self.optimizer, ratio)
         self._note_lr()
+
+    # ------------------------------------------------------------------ the run's length
+    def set_run_length(self, *, steps: float | None = None, microbatches: float | None = None,
+                       units: float | None = None) -> None:
+        """The run's length as the adapter knows it, for a controller that takes it (``set_run_length``,
+        the efficiency budget's ``total_tokens``); exactly one of:
+
+        ``steps``: optimizer steps of the constant-batch run (those :attr:`starting_batch_steps`
+        counts), ``steps x`` the starting global batch in units; ``microbatches``: loader batches per
+        rank, times the units of one (the starting global batch over ``starting_accumulation`` and
+        the ranks) times the ranks; ``units``: units of all ranks, as they are. The starting global
+        batch is the first step's units (:attr:`starting_units`): until it is known the length waits,
+        and it is given to the controller before that step's decision. A controller without
+        ``set_run_length`` (a ``BatchSchedule``, a user's own) is left alone.
+
+        Raises:
+            TypeError: none or several of the three given.
+            ValueError: a value that is not a finite number >= 0.
+        """
+        given = [(k, v) for k, v in (("steps", steps), ("microbatches", microbatches), ("units", units))
+                 if v is not None]
+        if len(given) != 1:
+            raise TypeError(f"{self.owner}: set_run_length(): give exactly one of steps=, microbatches= or "
+                            f"units=; got {dict(given) or 'none'}")
+        key, value = given[0]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            raise ValueError(f"{self.owner}: set_run_length({key}={value!r}): must be a finite number >= 0")
+        self._run_length = (key, float(value))
+        self._push_run_length()
+
+    def run_length_units(self) -> float | None:
+        """The run's length in units of all ranks (``None``: none given, or the starting batch not yet known)."""
+        if self._run_length is None:
+            return None
+        key, value = self._run_length
+        if key == "units":
+            return value
+        if self.starting_units is None:
+            return None
+        if key == "steps":
+            return value * self.starting_units
+        ranks = max(self.dp_degree, 1)
+        per_microbatch = self.starting_units / (self.starting_accumulation * ranks)  # one loader batch, one rank
+        return value * per_microbatch * ranks
+
+    def _push_run_length(self) -> None:
+        setter = getattr(self.controller, "set_run_length", None)
+        if not callable(setter):
+            return
+        units = self.run_length_units()
+        if units is None or units <= 0 or units == self._run_length_sent:
+            return
+        setter(units)
+        self._run_length_sent = units
 
     # ------------------------------------------------------------------ the step
     def start_window(self) -> bool:
@@ -630,6 +689,9 @@ class TrackingSession:
             self.starting_batch_carry = 0.0
         else:
             held = 1
+        # the first step is a measured one (finish_step), never a window whose sizes are on their way
+        if self.step == 0 and whole and stats is not None and self.starting_units is None and stats.units > 0:
+            self.starting_units = float(stats.units)
         self.step += 1
         self.starting_batch_steps += held
         if self.timer is not None:
@@ -665,6 +727,8 @@ class TrackingSession:
         self.changed_this_step = False
         if self.controller is None or stats.units <= 0:
             return None
+        if self._run_length is not None:
+            self._push_run_length()
         decision = self.controller.update(
             step=self.step,
             tokens_seen=self.units_seen,
@@ -843,6 +907,7 @@ class TrackingSession:
             "starting_batch_steps": self.starting_batch_steps,
             "starting_batch_carry": self.starting_batch_carry,
             "starting_accumulation": self.starting_accumulation,
+            "starting_units": 0.0 if self.starting_units is None else self.starting_units,
             "accumulation_steps": self.accumulation_steps,
             "pending_accumulation_steps": 0 if self.pending_accumulation is None else self.pending_accumulation,
             "lr_coupling": self.coupling,
@@ -899,6 +964,7 @@ class TrackingSession:
         start = _count(state, "starting_accumulation", where, default=self.starting_accumulation)
         sb_steps = _int(state, "starting_batch_steps", where, minimum=0, default=step)
         sb_carry = _float(state, "starting_batch_carry", where, minimum=0.0, default=0.0)
+        start_units = _float(state, "starting_units", where, minimum=0.0, default=0.0)
         coupling = _float(state, "lr_coupling", where, minimum=0.0, default=1.0, positive=True)
         if "pending_lr_factor" in state:  # version 1: a factor waiting for the next window
             _float(state, "pending_lr_factor", where, minimum=0.0, positive=True)
@@ -934,6 +1000,8 @@ class TrackingSession:
         self._recouple = (change is not None and not change.exact) or bool(state.get("recouple", 0))
         self.starting_batch_steps = sb_steps
         self.starting_batch_carry = sb_carry
+        self.starting_units = start_units or self.starting_units
+        self._run_length_sent = None  # the controller loaded its own: given again at the next decision
         self.starting_accumulation = start
         self.accumulation_steps = accumulation
         self.pending_accumulation = pending if pending > 0 else None

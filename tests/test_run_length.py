@@ -1,0 +1,71 @@
+"""The run's length reaches the controller's efficiency budget from every adapter, in units, exactly.
+
+``BatchSizeController(efficiency_budget=...)`` needs ``total_tokens``, the run's length in units of all
+ranks. Each adapter already knows the length in its own unit and gives it through
+``BatchSizeController.set_run_length``. The truth is the units the constant-batch run of the same length
+trains on, counted in that run; the grown run must then end on those units within one window.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cbs_tracker import BatchSizeController
+from tests import plain_workers as pw
+from tests.spawning import spawn
+
+START = 2 * pw.MICRO  # the plain loop's starting global batch on one rank: 2 microbatches of 4 samples
+
+
+def _ends_within_one_window(grown: dict, truth: float, world: int = 1) -> None:
+    assert max(grown["accumulations"]) > grown["accumulations"][0]  # it grew
+    last_window = grown["accumulations"][-1] * pw.MICRO * world
+    assert truth <= grown["units"] < truth + last_window
+
+
+# ---------------------------------------------------------------------------- plain loop (CBSTracker)
+@pytest.mark.parametrize("budget", [{"steps": 300}, {"microbatches": 600}, {"tokens": 2400}])
+def test_plain_loop_done_gives_the_constant_runs_units_to_the_efficiency_budget(budget):
+    constant = pw.run_to_budget(None, budget)
+    truth = constant["units"]
+    assert truth == 300 * START  # the constant run: 300 steps of 8 samples
+    controller = BatchSizeController(efficiency_budget=0.08)
+    grown = pw.run_to_budget(controller, budget)
+    assert controller.total_tokens == truth
+    _ends_within_one_window(grown, truth)
+
+
+def test_plain_loop_on_two_gloo_ranks_counts_the_units_of_every_rank(tmp_path):
+    budget = {"microbatches": 400}
+    out = {}
+    for grow in (False, True):
+        (tmp_path / str(grow)).mkdir()
+        spawn(pw.run_length_worker, args=(2, str(tmp_path / f"pg{grow}"), str(tmp_path / str(grow)), budget, grow),
+              nprocs=2, join=True)
+        out[grow] = json.loads((tmp_path / str(grow) / "out.json").read_text())
+    truth = out[False]["units"]
+    assert truth == 400 * pw.MICRO * 2  # 400 loader batches of 4 samples on each of two ranks
+    assert out[True]["total_tokens"] == truth
+    _ends_within_one_window(out[True], truth, world=2)
+
+
+def test_plain_loop_resumed_halfway_with_a_fresh_controller_decides_as_the_uninterrupted_run():
+    budget = {"steps": 300}
+    whole_controller = BatchSizeController(efficiency_budget=0.08)
+    whole = pw.run_to_budget(whole_controller, budget)
+    saved = pw.run_to_budget(BatchSizeController(efficiency_budget=0.08), budget, save_at=150)
+    resumed_controller = BatchSizeController(efficiency_budget=0.08)  # built as the user wrote it: no total_tokens
+    rest = pw.run_to_budget(resumed_controller, budget, state=saved)
+    assert resumed_controller.total_tokens == whole_controller.total_tokens == 300 * START
+    assert saved["accumulations"] + rest["accumulations"] == whole["accumulations"]
+    assert rest["units"] == whole["units"]
+
+
+def test_a_controller_without_set_run_length_keeps_working_under_done():
+    from cbs_tracker import BatchSchedule
+
+    schedule = BatchSchedule(((0, START), (800, 2 * START)), microbatch=pw.MICRO)
+    grown = pw.run_to_budget(schedule, {"steps": 300})
+    assert sorted(set(grown["accumulations"])) == [2, 4] and grown["units"] == 300 * START
