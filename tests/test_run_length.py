@@ -69,3 +69,63 @@ def test_a_controller_without_set_run_length_keeps_working_under_done():
     schedule = BatchSchedule(((0, START), (800, 2 * START)), microbatch=pw.MICRO)
     grown = pw.run_to_budget(schedule, {"steps": 300})
     assert sorted(set(grown["accumulations"])) == [2, 4] and grown["units"] == 300 * START
+
+
+# ---------------------------------------------------------------------------- Accelerate and Fabric loops
+def _short_run_controller() -> BatchSizeController:
+    # the efficiency budget on a run of a hundred steps: a short warm-up and window so that it can grow
+    return BatchSizeController(efficiency_budget=0.08, warmup_steps=10, warmup_tokens=0, patience=4, window=8)
+
+
+def test_accelerate_run_clm_done_max_train_steps_gives_the_constant_runs_tokens():
+    """run_clm_no_trainer's loop with the README's ``tracker.done(max_train_steps)``: the tokens are the labels
+    counted, known after the first step; the controller has them before that step's decision."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    from tests import accelerate_workers as aw
+    from tests import test_client_loops as cl
+
+    try:
+        truth = cl._constant(400, 80)[-1][0]  # tokens seen by the constant run's last step
+        assert truth == 80 * cl.A0 * cl.MICRO
+        controller = _short_run_controller()
+        p = cl._clm_parts(400, 80, controller=controller)
+        rows = cl._run_clm(p, stop="tracker", num_train_epochs=1)
+    finally:
+        aw.reset_accelerate()
+    assert controller.total_tokens == truth
+    accumulations = [a for _, a, _ in rows]
+    assert max(accumulations) > cl.A0
+    assert truth <= rows[-1][0] < truth + accumulations[-1] * cl.MICRO
+
+
+def test_fabric_litgpt_done_microbatches_gives_the_constant_runs_tokens():
+    """LitGPT's loop on Fabric with the README's ``tracker.done(microbatches=max_iters)``."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    from cbs_tracker import CBSTracker
+    from tests import test_client_loops as cl
+
+    def litgpt(controller: BatchSizeController | None, max_iters: int) -> tuple[CBSTracker, list[int]]:
+        fabric, model, optimizer, batches = cl._fabric_parts()
+        tracker = CBSTracker(model, optimizer, accumulation_steps=cl.A0, controller=controller)
+        accumulations = []
+        while not tracker.done(microbatches=max_iters):
+            for _ in range(tracker.accumulation_steps):
+                tracker.set_lr(cl.get_lr(cl.LR, tracker.microbatches_seen, cl.WARMUP_ITERS, max_iters, 0.1 * cl.LR))
+                batch = next(batches)
+                with tracker.microbatch(labels=batch["labels"][..., 1:]):
+                    fabric.backward(model(**batch).loss / tracker.accumulation_steps)
+            accumulations.append(tracker.step().accumulation_steps)
+            optimizer.step()
+            optimizer.zero_grad()
+        return tracker, accumulations
+
+    constant, _ = litgpt(None, 180)
+    truth = constant.tokens_seen
+    assert truth == 180 * cl.MICRO
+    controller = _short_run_controller()
+    grown, accumulations = litgpt(controller, 180)
+    assert controller.total_tokens == truth
+    assert max(accumulations) > cl.A0
+    assert truth <= grown.tokens_seen < truth + accumulations[-1] * cl.MICRO
