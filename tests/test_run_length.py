@@ -129,3 +129,41 @@ def test_fabric_litgpt_done_microbatches_gives_the_constant_runs_tokens():
     assert controller.total_tokens == truth
     assert max(accumulations) > cl.A0
     assert truth <= grown.tokens_seen < truth + accumulations[-1] * cl.MICRO
+
+
+# ---------------------------------------------------------------------------- Lightning
+def _lightning_run(controller: BatchSizeController | None, trainer_kwargs: dict) -> tuple[object, list[int]]:
+    import lightning.pytorch as pl
+    import torch
+
+    from cbs_tracker.integrations.lightning import CBSCallback
+    from tests.lightning_workers import Recorder, Regression, regression_data
+
+    cbs = CBSCallback(controller=controller)
+    recorder = Recorder(cbs)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+                         callbacks=[cbs, recorder], **trainer_kwargs)
+    # sigma=2: a noise scale well above the starting batch of 8 samples, so that the budget grows it
+    trainer.fit(Regression(), torch.utils.data.DataLoader(regression_data(600, sigma=2.0), batch_size=4))
+    return cbs, [row["record"]["accumulation_steps"] for row in recorder.rows]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(("trainer_kwargs", "samples"), [
+    ({"max_steps": 150}, 150 * 8),  # 150 steps of 2 batches of 4 samples, within the first epoch
+    ({"max_epochs": 2}, 2 * 600),
+    ({"max_steps": 100, "max_epochs": 3}, 100 * 8),
+    # 75 batches an epoch: 38 steps, the last of one batch; 150 steps are 3 epochs and 36 steps
+    ({"max_steps": 150, "limit_train_batches": 75}, (3 * 75 + 36 * 2) * 4),
+])
+def test_lightning_gives_the_trainers_length_to_the_efficiency_budget(trainer_kwargs, samples):
+    pytest.importorskip("lightning")
+    constant, _ = _lightning_run(None, trainer_kwargs)
+    truth = constant.session.units_seen
+    assert truth == samples
+    controller = _short_run_controller()
+    grown, accumulations = _lightning_run(controller, trainer_kwargs)
+    assert controller.total_tokens == truth
+    assert max(accumulations) > 2
+    assert truth <= grown.session.units_seen < truth + accumulations[-1] * 4
