@@ -135,8 +135,8 @@ def test_fabric_litgpt_done_microbatches_gives_the_constant_runs_tokens():
 def _lightning_run(controller: BatchSizeController | None, trainer_kwargs: dict) -> tuple[object, list[int]]:
     import lightning.pytorch as pl
     import torch
-
     from cbs_tracker.integrations.lightning import CBSCallback
+
     from tests.lightning_workers import Recorder, Regression, regression_data
 
     cbs = CBSCallback(controller=controller)
@@ -167,3 +167,35 @@ def test_lightning_gives_the_trainers_length_to_the_efficiency_budget(trainer_kw
     assert controller.total_tokens == truth
     assert max(accumulations) > 2
     assert truth <= grown.session.units_seen < truth + accumulations[-1] * 4
+
+
+# ---------------------------------------------------------------------------- Hugging Face Trainer
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(("rows", "args", "samples"), [
+    (600, {"max_steps": 150}, 150 * 4),  # 150 steps of 2 microbatches of 2 samples
+    # 301 microbatches an epoch: 151 steps, the last of one microbatch
+    (602, {"num_train_epochs": 2}, 2 * 602),
+    (602, {"max_steps": 200}, (301 + 49 * 2) * 2),
+])
+def test_hf_trainer_gives_max_steps_at_the_starting_accumulation_to_the_efficiency_budget(tmp_path, rows, args,
+                                                                                          samples):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from cbs_tracker.integrations.transformers import CBSTrainer
+
+    from tests.hf_workers import Regression, regression_data, training_args
+
+    def run(controller: BatchSizeController | None) -> CBSTrainer:
+        trainer = CBSTrainer(model=Regression(), args=training_args(str(tmp_path), **args), unit="samples",
+                             train_dataset=regression_data(rows, sigma=2.0), controller=controller)
+        trainer.train()
+        return trainer
+
+    truth = run(None).session.units_seen
+    assert truth == samples
+    controller = _short_run_controller()
+    grown = run(controller)
+    assert controller.total_tokens == truth
+    assert grown.applied_changes  # it grew
+    assert truth <= grown.session.units_seen < truth + grown.session.last_record.global_batch
