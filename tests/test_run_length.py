@@ -199,3 +199,31 @@ def test_hf_trainer_gives_max_steps_at_the_starting_accumulation_to_the_efficien
     assert controller.total_tokens == truth
     assert grown.applied_changes  # it grew
     assert truth <= grown.session.units_seen < truth + grown.session.last_record.global_batch
+
+
+# ---------------------------------------------------------------------------- OLMo-core
+def test_olmo_core_gives_max_duration_in_tokens_to_the_efficiency_budget(tmp_path):
+    """``max_duration=Duration.tokens(T)``: OLMo-core stops on the first step that reaches ``T`` tokens, so
+    the constant run trains ``ceil(T / global_batch_size)`` steps; the callback's units are the tokens the loss
+    counts (15 of each 16-token sequence), so the length is those steps times the starting step's units."""
+    pytest.importorskip("olmo_core")
+    from cbs_tracker.integrations.olmo_core import CBSOlmoCallback
+
+    from tests import olmo_workers as ow
+
+    tokens = 2 * ow.SEQ * 300 + 10  # 300 steps of 2 sequences and 10 tokens: the constant run takes 301 steps
+
+    def run(controller: BatchSizeController | None, name: str) -> CBSOlmoCallback:
+        cbs = CBSOlmoCallback(controller=controller)
+        trainer = ow.build_trainer(str(tmp_path), callbacks={"cbs": cbs}, sequences=2, tokens=tokens,
+                                   save_folder=str(tmp_path / name), scheduler=None)
+        trainer.fit()
+        return cbs
+
+    truth = run(None, "constant").session.units_seen
+    assert truth == 301 * 2 * ow.LOSS_TOKENS
+    controller = _short_run_controller()
+    grown = run(controller, "grown")
+    assert controller.total_tokens == truth
+    assert grown.applied_changes  # it grew
+    assert truth <= grown.session.units_seen < truth + grown.session.last_record.global_batch
