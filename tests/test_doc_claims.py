@@ -281,3 +281,16 @@ def test_the_controller_defaults_are_the_documented_ones():
                 checked[name] = value
                 assert params[name].default == value, name
     assert checked["kappa"] == 0.4 and checked["convert_lr_decay"] is True and checked["conversion_kappa"] == 1.0
+
+
+def test_the_controllers_first_table_is_the_options_a_user_sets_first_in_its_signature():
+    """options.md's first table under BatchSizeController names the options the signature gives first; the
+    finer settings (the second table) all come after them."""
+    import cbs_tracker
+
+    section = _section(OPTIONS, "`BatchSizeController")
+    first, second = section.split("\nThe rules' finer settings", 1)
+    params = [p for p in inspect.signature(cbs_tracker.BatchSizeController.__init__).parameters if p != "self"]
+    user = _table_options(first)
+    assert set(params[:len(user)]) == user, (params[:len(user)], sorted(user))
+    assert set(params[len(user):]) == _table_options(second)

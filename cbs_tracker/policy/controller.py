@@ -134,6 +134,42 @@ class BatchSizeController:
             ``None``: no lower bound.
         max_batch: upper clip of the critical batch and largest batch a doubling may
             reach. ``None``: only ``max_accumulation_steps`` bounds the growth.
+        max_accumulation_steps: largest accumulation a doubling may reach. ``None``
+            (default): ``256 * A0``.
+        convert_lr_decay: turn each halving of ``scheduled_lr`` (passed to
+            :meth:`update`) into a doubling of the batch, while the doubled batch stays
+            at or below ``conversion_kappa * B_simple`` and the caps; beyond that the LR
+            decays as scheduled. Default ``True``. Without a scheduled LR (``None``, as
+            an adapter passes when it has no optimizer) or with one that never halves (a
+            constant LR) it does nothing. A state saved without a scheduled-LR reference
+            (``convert_lr_decay=False``, the earlier default) loads: its halvings count from
+            the scheduled LR at resume, with a warning.
+        budget_tokens: the planned total units of the run. ``None`` (default):
+            budget-unaware. When set, the batch never falls below the power-of-two plan
+            of :func:`cbs_tracker.theory.schedule.plan_doubling` (built at the first
+            update from the starting batch and the largest batch the caps allow); after a
+            feedback trap the controller returns to the plan's batch.
+        efficiency_budget: with ``total_tokens``, growth spends a budget of token efficiency
+            in place of the ``kappa`` threshold (:mod:`cbs_tracker.policy.efficiency`): a
+            doubling ``B -> 2B`` is taken when ``2B <= B_simple`` and the LR-weighted share of
+            the run's tokens lost to batches above the starting one (McCandlish's
+            ``(B - B0) / (B_simple + B)``), spent so far plus projected for the rest of the run
+            at ``2B``, stays at or below ``efficiency_budget`` (for ``patience`` measurements in
+            a row). ``None`` (default): the ``kappa`` rule. In ``(0, 1]``.
+        total_tokens: the run's length in units, for ``efficiency_budget`` (``None``: unknown;
+            the ``kappa`` rule decides). Left ``None``, an adapter sets it from the run's own
+            length (:meth:`set_run_length`); given, it wins over the adapter's.
+
+        allow_shrink: allow halving when the target falls well below the batch. Default
+            ``False``.
+        observe_only: compute and report the critical batch, never change anything.
+        lr_scaling: learning-rate factor of a change reported in
+            :attr:`Decision.lr_factor`: ``"keep"``, ``"sqrt"`` (Adam rule) or ``"linear"``
+            (SGD rule). ``None`` (default): the adapter chooses from the optimizer and
+            applies the coupling itself; ``lr_factor`` is then 1.
+
+    Tuning (the rules' finer settings; the defaults are what the results were measured with):
+
         margin: hysteresis. Grow ``B -> 2B`` when the target is ``>= 2B (1 + margin)``;
             shrink when it is ``< B / (2 (1 + margin))``. Default 0.1.
         patience: consecutive measurements for which the target must pass a threshold
@@ -146,15 +182,9 @@ class BatchSizeController:
         cooldown_tokens: units that must pass, once a change has taken effect, before the
             next change (and before the feedback check of a doubling). ``None``
             (default): 100 global batches of the new size.
-        max_accumulation_steps: largest accumulation a doubling may reach. ``None``
-            (default): ``256 * A0``.
-        allow_shrink: allow halving when the target falls well below the batch. Default
-            ``False``.
-        observe_only: compute and report the critical batch, never change anything.
-        lr_scaling: learning-rate factor of a change reported in
-            :attr:`Decision.lr_factor`: ``"keep"``, ``"sqrt"`` (Adam rule) or ``"linear"``
-            (SGD rule). ``None`` (default): the adapter chooses from the optimizer and
-            applies the coupling itself; ``lr_factor`` is then 1.
+        conversion_kappa: the conversions' bound as a multiple of the measured noise
+            scale (default 1: ``B_simple`` itself, above the ``kappa * B_simple`` that
+            growth follows, so that a halving has room to convert).
         feedback_guard: detect the feedback trap (the noise scale follows the batch)
             and stop growing there. Default ``True``.
         feedback_ratio: a doubling follows the batch when, after it, the median noise
@@ -167,37 +197,10 @@ class BatchSizeController:
         feedback_resume: after a trap, growth resumes once ``B_simple / B`` has risen by
             this factor at a fixed batch. ``None``: stop for good. Default 1.5. Not used
             in budget-aware mode (the plan times the growth after a trap).
-        budget_tokens: the planned total units of the run. ``None`` (default):
-            budget-unaware. When set, the batch never falls below the power-of-two plan
-            of :func:`cbs_tracker.theory.schedule.plan_doubling` (built at the first
-            update from the starting batch and the largest batch the caps allow); after a
-            feedback trap the controller returns to the plan's batch.
         plan_s: source exponent ``s`` of the plan. Default 0.5.
         plan_beta: capacity exponent ``beta`` of the plan (``> 1``). Default 2.0.
         plan_floor_ratio: a run held at the starting batch would level off at this
             fraction of its initial excess loss. Default 0.5.
-        convert_lr_decay: turn each halving of ``scheduled_lr`` (passed to
-            :meth:`update`) into a doubling of the batch, while the doubled batch stays
-            at or below ``conversion_kappa * B_simple`` and the caps; beyond that the LR
-            decays as scheduled. Default ``True``. Without a scheduled LR (``None``, as
-            an adapter passes when it has no optimizer) or with one that never halves (a
-            constant LR) it does nothing. A state saved without a scheduled-LR reference
-            (``convert_lr_decay=False``, the earlier default) loads: its halvings count from
-            the scheduled LR at resume, with a warning.
-        conversion_kappa: the conversions' bound as a multiple of the measured noise
-            scale (default 1: ``B_simple`` itself, above the ``kappa * B_simple`` that
-            growth follows, so that a halving has room to convert).
-        efficiency_budget: with ``total_tokens``, growth spends a budget of token efficiency
-            in place of the ``kappa`` threshold (:mod:`cbs_tracker.policy.efficiency`): a
-            doubling ``B -> 2B`` is taken when ``2B <= B_simple`` and the LR-weighted share of
-            the run's tokens lost to batches above the starting one (McCandlish's
-            ``(B - B0) / (B_simple + B)``), spent so far plus projected for the rest of the run
-            at ``2B``, stays at or below ``efficiency_budget`` (for ``patience`` measurements in
-            a row). ``None`` (default): the ``kappa`` rule. In ``(0, 1]``.
-        total_tokens: the run's length in units, for ``efficiency_budget`` (``None``: unknown;
-            the ``kappa`` rule decides). Left ``None``, an adapter sets it from the run's own
-            length (:meth:`set_run_length`); given, it wins over the adapter's.
-
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an argument out of range, or inconsistent bounds.
@@ -211,28 +214,29 @@ class BatchSizeController:
         kappa: float | KappaSchedule | list[tuple[float, float]] = 0.4,
         min_batch: float | None = None,
         max_batch: float | None = None,
+        max_accumulation_steps: int | None = None,
+        convert_lr_decay: bool = True,
+        budget_tokens: float | None = None,
+        efficiency_budget: float | None = None,
+        total_tokens: float | None = None,
+        allow_shrink: bool = False,
+        observe_only: bool = False,
+        lr_scaling: LRScaling | None = None,
+        # tuning
         margin: float = 0.1,
         patience: int = 16,
         window: int = 32,
         warmup_steps: int = 100,
         warmup_tokens: float | None = None,
         cooldown_tokens: float | None = None,
-        max_accumulation_steps: int | None = None,
-        allow_shrink: bool = False,
-        observe_only: bool = False,
-        lr_scaling: LRScaling | None = None,
+        conversion_kappa: float = 1.0,
         feedback_guard: bool = True,
         feedback_ratio: float = 1.4,
-        feedback_resume: float | None = 1.5,
         feedback_strikes: int = 2,
-        budget_tokens: float | None = None,
+        feedback_resume: float | None = 1.5,
         plan_s: float = 0.5,
         plan_beta: float = 2.0,
         plan_floor_ratio: float = 0.5,
-        convert_lr_decay: bool = True,
-        conversion_kappa: float = 1.0,
-        efficiency_budget: float | None = None,
-        total_tokens: float | None = None,
     ) -> None:
         self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
         _check_number("conversion_kappa", conversion_kappa)
