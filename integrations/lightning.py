@@ -376,10 +376,35 @@ class CBSCallback(Callback):
         if self.retime_schedulers and session.optimizer is not None:
             self._attach_schedulers(trainer)
         batches = trainer.num_training_batches
+        self._give_run_length(trainer, batches)
         if self.max_microbatch is not None:
             self._link_loader(trainer)  # the epoch cap counts the loader's batches, not microbatches
         elif isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1 and self._can_grow():
             session.limit_to_epoch(int(batches), "batches")
+
+    def _give_run_length(self, trainer: pl.Trainer, batches: Any) -> None:
+        """The run's length, for a controller's efficiency budget (``set_run_length``): ``max_tokens``; else
+        the loader batches per rank the constant-batch run trains on, ``max_epochs`` epochs of
+        ``num_training_batches`` or ``max_steps`` steps at the starting accumulation (an epoch's short last
+        step holds its batches), whichever ends first; else ``max_steps`` times the starting global batch."""
+        session = self.session
+        assert session is not None
+        if self.max_tokens is not None:
+            session.set_run_length(units=self.max_tokens)
+            return
+        max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+        if isinstance(batches, (int, float)) and math.isfinite(batches) and batches >= 1:
+            batches = int(batches)
+            lengths = [] if max_epochs is None else [max_epochs * batches]
+            if max_steps is not None:
+                a0 = session.starting_accumulation
+                epochs, rest = divmod(max_steps, math.ceil(batches / a0))
+                lengths.append(epochs * batches + min(rest * a0, batches))
+            if lengths:
+                session.set_run_length(microbatches=min(lengths))
+        elif max_steps is not None:
+            session.set_run_length(steps=max_steps)
 
     def _convert_position(self, trainer: pl.Trainer) -> None:
         """A resume on another number of ranks: Lightning's batch counter in the epoch, moved to this run's ranks.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any
 
 import torch
@@ -176,6 +177,7 @@ class CBSOlmoCallback(Callback):
             measure_every=self.measure_every, measure_target=self.measure_target,
         )
         self._base_lrs = [float(g.get("initial_lr") or g["lr"]) for g in optim.param_groups]
+        self._give_run_length(trainer, start)
         self._attach_hooks(module.model)
         if self.session.starting_accumulation * dp < 2:
             self.session.warn_once(
@@ -188,6 +190,18 @@ class CBSOlmoCallback(Callback):
         if self._restored is not None:  # a state loaded before the callback was attached
             state, self._restored = self._restored, None
             self.load_state_dict(state)
+
+    def _give_run_length(self, trainer: Any, start: int) -> None:
+        """The run's length, for a controller's efficiency budget (``set_run_length``): ``max_duration`` in
+        tokens is ``ceil(tokens / global_batch_size)`` steps of the starting batch (OLMo-core stops on the
+        first step that reaches it), in steps as it is; each is that many times the starting step's units (the
+        tokens the loss counts, which the callback's sizes are). A duration in epochs gives none."""
+        duration = trainer.max_duration
+        unit = str(duration.unit).split(".")[-1]
+        if unit == "tokens":
+            self.session.set_run_length(steps=math.ceil(int(duration.value) / start))  # type: ignore[union-attr]
+        elif unit == "steps":
+            self.session.set_run_length(steps=int(duration.value))  # type: ignore[union-attr]
 
     def _show_on_console(self, trainer: Any) -> None:
         """Add :data:`CONSOLE_METRICS` to OLMo-core's ``ConsoleLoggerCallback``, which prints only the metrics

@@ -201,6 +201,7 @@ class CBSTrainer(Trainer):
     def _clear_run(self) -> None:
         self._starting_accumulation = int(self.args.gradient_accumulation_steps)
         self._steps_in_epoch: int | None = None
+        self._run_length_given = False  # the run's length went to the session (_give_run_length)
         self._iterator: Any = None
         self._epoch = 0
         self._epoch_pos = 0  # microbatches fetched in this epoch (all run by the next fetch or save)
@@ -423,6 +424,7 @@ class CBSTrainer(Trainer):
 
     def _start_session(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         dp_group = cbs_dist.resolve_dp_group(None)
+        self._run_length_given = False
         self.session = TrackingSession(
             owner="CBSTrainer", unit=self.unit, starting_accumulation=self._starting_accumulation,
             dp_degree=cbs_dist.group_size(dp_group), estimator=self.estimator, controller=self.controller,
@@ -471,6 +473,8 @@ class CBSTrainer(Trainer):
                 self._epoch += 1
             self._iterator = epoch_iterator
             self._epoch_pos, self._resume_pos = self._resume_pos, 0
+        if not self._run_length_given:
+            self._give_run_length()
         setting = self._next_window()
         batches, num_items = super().get_batch_samples(epoch_iterator, setting, device)
         self._window = [self._count(inputs) for inputs in batches]
@@ -480,6 +484,24 @@ class CBSTrainer(Trainer):
         self._epoch_pos += len(batches)
         self._units_divisor = self._normalisation(num_items)
         return batches, num_items
+
+    def _give_run_length(self) -> None:
+        """The run's length, for a controller's efficiency budget (``set_run_length``): the microbatches per
+        process of ``state.max_steps`` steps at the starting accumulation (an epoch's short last step holds
+        its microbatches, as in the run without growth), or ``max_steps`` times the starting global batch
+        where the epoch's length is unknown. Given once, when the first window is fetched."""
+        session = self.session
+        assert session is not None
+        self._run_length_given = True
+        max_steps = self.state.max_steps
+        if max_steps is None or max_steps <= 0:
+            return
+        per_epoch, start = self._steps_in_epoch, session.starting_accumulation
+        if per_epoch:
+            epochs, rest = divmod(max_steps, max(math.ceil(per_epoch / start), 1))
+            session.set_run_length(microbatches=epochs * per_epoch + min(rest * start, per_epoch))
+        else:
+            session.set_run_length(steps=max_steps)
 
     def _next_window(self) -> int:
         """Microbatches of the next window, set in ``TrainingArguments`` (the Trainer reads it live).

@@ -124,6 +124,56 @@ def train(
     return log
 
 
+def run_to_budget(controller: BatchSizeController | None, budget: dict, *, rank: int = 0, world: int = 1,
+                  state: dict | None = None, save_at: int | None = None) -> dict:
+    """The loop that stops on ``tracker.done(**budget)`` (checked before each window, as the README's
+    loops do); from ``state`` (a dict this returns) when given, and returning one at ``save_at`` optimizer
+    steps. Returns the units seen, each step's accumulation, the controller's ``total_tokens`` at the end."""
+    model: nn.Module = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples", controller=controller)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        tracker.load_state_dict(state["tracker"])
+    accumulations = []
+    while not tracker.done(**budget):
+        for i in range(tracker.accumulation_steps):
+            x, y = microbatch(tracker.steps, i, rank)
+            with tracker.microbatch(size=x.shape[0]):
+                loss = 0.5 * (model(x).squeeze(-1) - y).pow(2).mean()
+                (loss / tracker.accumulation_steps).backward()
+        record = tracker.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        accumulations.append(record.accumulation_steps)
+        if save_at is not None and tracker.steps == save_at:
+            return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "tracker": tracker.state_dict(), "accumulations": accumulations}
+    return {"units": tracker.tokens_seen, "accumulations": accumulations,
+            "total_tokens": getattr(controller, "total_tokens", None)}
+
+
+def run_length_worker(rank: int, world: int, init_file: str, out_dir: str, budget: dict, grow: bool) -> None:
+    """:func:`run_to_budget` on ``world`` gloo ranks (``grow``: with ``BatchSizeController(efficiency_budget=0.08)``,
+    else at the constant batch); rank 0 writes ``out.json``."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        controller = BatchSizeController(efficiency_budget=0.08) if grow else None
+        out = run_to_budget(controller, budget, rank=rank, world=world)
+        if rank == 0:
+            with open(os.path.join(out_dir, "out.json"), "w") as f:
+                json.dump(out, f)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group(

@@ -76,9 +76,10 @@ def _clean():
 
 
 def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True, shuffle: bool = False,
-               seedable: bool = False) -> dict[str, Any]:
+               seedable: bool = False, controller: Any = None) -> dict[str, Any]:
     """run_clm_no_trainer's setup: prepare, get_scheduler("cosine") sized in optimizer steps, the tracker.
-    ``shuffle``: the script's ``shuffle=True`` loader; ``seedable``: ``use_seedable_sampler=True``."""
+    ``shuffle``: the script's ``shuffle=True`` loader; ``seedable``: ``use_seedable_sampler=True``;
+    ``controller``: in place of the ``BatchSchedule``."""
     from accelerate.utils import DataLoaderConfiguration
     from cbs_tracker.integrations.accelerate import AcceleratorTracker
     from transformers import get_scheduler
@@ -91,7 +92,8 @@ def _clm_parts(batches: int, max_train_steps: int, *, grow: bool = True, shuffle
     lr_scheduler = get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2,
                                  num_training_steps=max_train_steps * acc.num_processes)
     model, optimizer, loader, lr_scheduler = acc.prepare(model, optimizer, loader, lr_scheduler)
-    controller = BatchSchedule(SCHEDULE if grow else SCHEDULE[:1], microbatch=MICRO)
+    if controller is None:
+        controller = BatchSchedule(SCHEDULE if grow else SCHEDULE[:1], microbatch=MICRO)
     tracker = AcceleratorTracker(acc, model, optimizer, lr_scheduler=lr_scheduler, controller=controller)
     return dict(acc=acc, model=model, optimizer=optimizer, loader=loader, lr_scheduler=lr_scheduler,
                 tracker=tracker, max_train_steps=max_train_steps)

@@ -117,6 +117,58 @@ def test_a_run_resumed_from_a_state_saved_halfway_decides_as_the_uninterrupted_o
     assert rest["steps"] == whole["steps"]
 
 
+def test_a_run_length_set_by_the_adapter_resumes_exactly_without_total_tokens_in_the_configuration():
+    """The adapter's length is state: the resumed controller, built with the same arguments (no
+    total_tokens), decides as the uninterrupted one from its first step, before the adapter gives it again."""
+    total = 3e6
+    noise = lambda t: 1500.0 + t / 1000.0  # noqa: E731
+    whole_ctl = BatchSizeController(efficiency_budget=0.08)
+    whole_ctl.set_run_length(total)
+    whole = drive(whole_ctl, total=total, noise_scale=noise)
+    reference = drive(BatchSizeController(efficiency_budget=0.08, total_tokens=total), total=total, noise_scale=noise)
+    assert whole["changes"] == reference["changes"] and whole["changes"]
+    first = BatchSizeController(efficiency_budget=0.08)
+    first.set_run_length(total)
+    half = drive(first, total=total, noise_scale=noise, stop_at=total / 2)
+    saved = first.state_dict()
+    assert saved["efficiency_run_length"] == total
+    second = BatchSizeController(efficiency_budget=0.08)
+    second.load_state_dict(saved)
+    assert second.total_tokens == total
+    rest = drive(second, total=total, noise_scale=noise, state=half)
+    assert half["changes"] + rest["changes"] == whole["changes"]
+    assert rest["steps"] == whole["steps"]
+
+
+def test_the_users_total_tokens_wins_over_the_adapters_and_a_later_adapter_value_replaces_the_earlier():
+    mine = BatchSizeController(efficiency_budget=0.1, total_tokens=5e6)
+    mine.set_run_length(1e6)
+    assert mine.total_tokens == 5e6
+    loaded = BatchSizeController(efficiency_budget=0.1, total_tokens=5e6)
+    loaded.load_state_dict(mine.state_dict())
+    assert loaded.total_tokens == 5e6  # a state never replaces the user's either
+    theirs = BatchSizeController(efficiency_budget=0.1)
+    theirs.set_run_length(1e6)
+    assert theirs.total_tokens == 1e6
+    theirs.set_run_length(2e6)  # a resumed run made longer
+    assert theirs.total_tokens == 2e6
+    theirs.total_tokens = 3e6  # assigned by the user: kept
+    theirs.set_run_length(4e6)
+    assert theirs.total_tokens == 3e6
+    plain = BatchSizeController()
+    plain.set_run_length(1e6)  # no efficiency budget: recorded, the kappa rule still decides
+    assert plain.total_tokens == 1e6 and not plain._efficiency.active
+
+
+@pytest.mark.parametrize(("units", "error"), [(0, ValueError), (-5.0, ValueError), (math.inf, ValueError),
+                                              (math.nan, ValueError), ("1e6", TypeError), (True, TypeError)])
+def test_a_bad_run_length_names_the_argument_and_the_value(units, error):
+    controller = BatchSizeController(efficiency_budget=0.1)
+    with pytest.raises(error, match=r"set_run_length\(units=" + __import__("re").escape(repr(units))):
+        controller.set_run_length(units)
+    assert controller.total_tokens is None
+
+
 def test_a_state_saved_before_the_rule_existed_loads_with_nothing_spent():
     old = BatchSizeController()
     drive(old, total=4e5, noise_scale=lambda t: 2000.0)

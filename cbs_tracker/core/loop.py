@@ -237,6 +237,7 @@ class LoopTracker:
         self._last_count: tuple[list[float], tuple[object, ...], StepStats] | None = None
         self._batches_done = 0  # loader batches per rank of the windows stepped (the data position)
         self._resumed_batches: int | None = None  # the count a checkpoint carried, on its own ranks
+        self._budget_given: tuple[str, float] | None = None  # done()'s budget as last given to the session
         # a run (or the tracker) that ends inside a window says what it left without an optimizer step
         self._end = {"done": False}  # done() said so: a microbatch run after it is the loop's own, not left out
         self._finalizer = weakref.finalize(self, _warn_unstepped, self.collector, self.session, name, "the run ended",
@@ -442,6 +443,13 @@ class LoopTracker:
         accelerator); ``steps`` and ``microbatches`` never wait. When it returns ``True``, the
         records still waiting for their counts are filled and logged.
 
+        The budget is also the run's length for a controller's efficiency budget
+        (:meth:`~cbs_tracker.policy.controller.BatchSizeController.set_run_length`, where the
+        controller's ``total_tokens`` is ``None``): ``steps`` times the starting global batch,
+        ``microbatches`` times the units of one loader batch and the ranks, ``tokens`` as is. The
+        starting global batch is the first step's units (labels counted: known at the first
+        :meth:`step`, and given to the controller before that step's decision).
+
         Raises:
             TypeError: none or several of the three given.
             ValueError: a value that is not a number >= 0 (an int for ``steps`` and ``microbatches``).
@@ -460,6 +468,9 @@ class LoopTracker:
             raise ValueError(
                 f"{name}.done({key}={value!r}): must be {'an int' if whole else 'a finite number'} >= 0"
             )
+        if (key, value) != self._budget_given and self.session.controller is not None:
+            self._budget_given = (key, value)  # the run's length, for a controller that takes it
+            self.session.set_run_length(**{"units" if key == "tokens" else key: value})
         if key == "steps":
             done = self.session.starting_batch_steps >= value
         elif key == "microbatches":

@@ -181,6 +181,11 @@ class TrackingSession:
         #: windows not measured whose sizes are still on their way to the host, oldest first
         self._deferred: list[_Deferred] = []
         self.starting_batch_steps = 0
+        #: units of the first step (all ranks), a whole window at the starting accumulation: the starting
+        #: global batch that converts a run length in steps or microbatches to units (``None``: not yet)
+        self.starting_units: float | None = None
+        self._run_length: tuple[str, float] | None = None  # set_run_length's (kind, value)
+        self._run_length_sent: float | None = None  # the units last given to the controller
         #: microbatches per rank of the last whole windows not yet a whole starting-batch step
         self.starting_batch_carry = 0.0
         self.accumulation_steps = self.starting_accumulation
@@ -327,6 +332,60 @@ class TrackingSession:
             ratio = min(ratio, max(1.0, peak / lr_now)) if lr_now > 0 else ratio
         apply_lr_factor(self.optimizer, ratio)
         self._note_lr()
+
+    # ------------------------------------------------------------------ the run's length
+    def set_run_length(self, *, steps: float | None = None, microbatches: float | None = None,
+                       units: float | None = None) -> None:
+        """The run's length as the adapter knows it, for a controller that takes it (``set_run_length``,
+        the efficiency budget's ``total_tokens``); exactly one of:
+
+        ``steps``: optimizer steps of the constant-batch run (those :attr:`starting_batch_steps`
+        counts), ``steps x`` the starting global batch in units; ``microbatches``: loader batches per
+        rank, times the units of one (the starting global batch over ``starting_accumulation`` and
+        the ranks) times the ranks; ``units``: units of all ranks, as they are. The starting global
+        batch is the first step's units (:attr:`starting_units`): until it is known the length waits,
+        and it is given to the controller before that step's decision. A controller without
+        ``set_run_length`` (a ``BatchSchedule``, a user's own) is left alone.
+
+        Raises:
+            TypeError: none or several of the three given.
+            ValueError: a value that is not a finite number >= 0.
+        """
+        given = [(k, v) for k, v in (("steps", steps), ("microbatches", microbatches), ("units", units))
+                 if v is not None]
+        if len(given) != 1:
+            raise TypeError(f"{self.owner}: set_run_length(): give exactly one of steps=, microbatches= or "
+                            f"units=; got {dict(given) or 'none'}")
+        key, value = given[0]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            raise ValueError(f"{self.owner}: set_run_length({key}={value!r}): must be a finite number >= 0")
+        self._run_length = (key, float(value))
+        self._push_run_length()
+
+    def run_length_units(self) -> float | None:
+        """The run's length in units of all ranks (``None``: none given, or the starting batch not yet known)."""
+        if self._run_length is None:
+            return None
+        key, value = self._run_length
+        if key == "units":
+            return value
+        if self.starting_units is None:
+            return None
+        if key == "steps":
+            return value * self.starting_units
+        ranks = max(self.dp_degree, 1)
+        per_microbatch = self.starting_units / (self.starting_accumulation * ranks)  # one loader batch, one rank
+        return value * per_microbatch * ranks
+
+    def _push_run_length(self) -> None:
+        setter = getattr(self.controller, "set_run_length", None)
+        if not callable(setter):
+            return
+        units = self.run_length_units()
+        if units is None or units <= 0 or units == self._run_length_sent:
+            return
+        setter(units)
+        self._run_length_sent = units
 
     # ------------------------------------------------------------------ the step
     def start_window(self) -> bool:
@@ -631,6 +690,9 @@ class TrackingSession:
             self.starting_batch_carry = 0.0
         else:
             held = 1
+        # the first step is a measured one (finish_step), never a window whose sizes are on their way
+        if self.step == 0 and whole and stats is not None and self.starting_units is None and stats.units > 0:
+            self.starting_units = float(stats.units)
         self.step += 1
         self.starting_batch_steps += held
         if self.timer is not None:
@@ -666,6 +728,8 @@ class TrackingSession:
         self.changed_this_step = False
         if self.controller is None or stats.units <= 0:
             return None
+        if self._run_length is not None:
+            self._push_run_length()
         decision = self.controller.update(
             step=self.step,
             tokens_seen=self.units_seen,
@@ -845,6 +909,7 @@ class TrackingSession:
             "starting_batch_steps": self.starting_batch_steps,
             "starting_batch_carry": self.starting_batch_carry,
             "starting_accumulation": self.starting_accumulation,
+            "starting_units": 0.0 if self.starting_units is None else self.starting_units,
             "accumulation_steps": self.accumulation_steps,
             "pending_accumulation_steps": 0 if self.pending_accumulation is None else self.pending_accumulation,
             "lr_coupling": self.coupling,
@@ -890,6 +955,8 @@ class TrackingSession:
         self._recouple = (change is not None and not change.exact) or read["recouple"]
         self.starting_batch_steps = read["starting_batch_steps"]
         self.starting_batch_carry = read["starting_batch_carry"]
+        self.starting_units = read["starting_units"] or _starting_units(state, read) or self.starting_units
+        self._run_length_sent = None  # the controller loaded its own: given again at the next decision
         self.starting_accumulation = read["starting_accumulation"]
         self.accumulation_steps = read["accumulation_steps"]
         pending = read["pending_accumulation_steps"]
@@ -968,6 +1035,7 @@ def _read_state(state: dict[str, Any], where: str, starting_accumulation: float)
         "starting_accumulation": _count(r, "starting_accumulation", default=starting_accumulation),
         "starting_batch_steps": r.integer("starting_batch_steps", minimum=0, default=step),
         "starting_batch_carry": r.number("starting_batch_carry", minimum=0.0, default=0.0),
+        "starting_units": r.number("starting_units", minimum=0.0, default=0.0),
         "lr_coupling": r.number("lr_coupling", positive=True, default=1.0),
     }
     if "pending_lr_factor" in state:  # version 1: a factor waiting for the next window
@@ -998,6 +1066,14 @@ def _read_schedule(schedule: Any, where: str) -> dict[str, Any] | None:
     r.integer("carry", minimum=0, default=0)
     r.integer("due", minimum=0, default=0)
     return schedule
+
+
+def _starting_units(state: dict[str, Any], read: dict[str, Any]) -> float | None:
+    """A state saved before ``starting_units`` existed: the first step's units from the controller's counts
+    (units per accumulation step times the starting accumulation; exact where every microbatch slot holds the
+    same units), so that steps and microbatches still convert to units for the run's length."""
+    per_slot = _micro_units(state.get("controller"), 1)
+    return None if per_slot is None else per_slot * read["starting_accumulation"]
 
 
 def _micro_units(controller_state: Any, dp: int) -> float | None:

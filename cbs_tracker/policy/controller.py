@@ -157,7 +157,8 @@ class BatchSizeController:
             at ``2B``, stays at or below ``efficiency_budget`` (for ``patience`` measurements in
             a row). ``None`` (default): the ``kappa`` rule. In ``(0, 1]``.
         total_tokens: the run's length in units, for ``efficiency_budget`` (``None``: unknown;
-            the ``kappa`` rule decides).
+            the ``kappa`` rule decides). Left ``None``, an adapter sets it from the run's own
+            length (:meth:`set_run_length`); given, it wins over the adapter's.
 
         allow_shrink: allow halving when the target falls well below the batch. Default
             ``False``.
@@ -315,6 +316,7 @@ class BatchSizeController:
         self.conversion_kappa = float(conversion_kappa)
         self.efficiency_budget = None if efficiency_budget is None else float(efficiency_budget)
         self.total_tokens = None if total_tokens is None else float(total_tokens)
+        self._applied_length: float | None = None  # set_run_length's value total_tokens took last
         self._level = BatchLevel()
         self._rules = GrowthRules(self)
         self._guard = FeedbackGuard(self)
@@ -352,6 +354,43 @@ class BatchSizeController:
         else:
             self._kappa_schedule.add(tokens, kappa)
         self._kappa_now = self._kappa_schedule.value_at(max(self._level.last_tokens, float(tokens)))
+
+    # ------------------------------------------------------------ run length
+    def set_run_length(self, units: float) -> None:
+        """The run's length in units (all data-parallel ranks), as an adapter learns it: ``total_tokens``
+        for ``efficiency_budget``.
+
+        Adapters call it (when the controller has it) with the length of the run they drive: a
+        plain loop's ``tracker.done(steps=...)`` times the starting global batch, a Trainer's
+        ``max_steps`` at the starting accumulation times it, OLMo-core's ``max_duration`` in tokens.
+        It sets ``total_tokens`` only where the user left it ``None``: an explicit
+        ``total_tokens=`` (or one assigned later) wins and is never replaced. A second, different
+        value replaces the earlier one the adapter gave (a resumed run made longer). The value is
+        saved with :meth:`state_dict` (``efficiency_run_length``) so that a resumed run decides
+        as the uninterrupted one from its first step; the user's ``total_tokens`` is configuration
+        and is not saved.
+
+        Raises:
+            TypeError: ``units`` is not a number.
+            ValueError: ``units`` is not finite and > 0.
+        """
+        if isinstance(units, bool) or not isinstance(units, (int, float)):
+            raise TypeError(f"BatchSizeController.set_run_length(units={units!r}): expected a number "
+                            f"(the run's length in units, all ranks), got {type(units).__name__}")
+        if not math.isfinite(units) or units <= 0:
+            raise ValueError(f"BatchSizeController.set_run_length(units={units!r}): must be finite and > 0 "
+                             "(the run's length in units, all ranks)")
+        self._efficiency.run_length = float(units)
+        self._apply_run_length()
+
+    def _apply_run_length(self) -> None:
+        """``total_tokens`` takes the adapter's run length unless the user gave one."""
+        length = self._efficiency.run_length
+        if length is None:
+            return
+        # total_tokens still holds the adapter's last value (the user gave none, or assigned none since)
+        if self.total_tokens is None or (self._applied_length is not None and self.total_tokens == self._applied_length):
+            self.total_tokens = self._applied_length = length
 
     # ------------------------------------------------------------------ state
     def _parts(self) -> tuple[Any, ...]:
@@ -425,6 +464,7 @@ class BatchSizeController:
         if schedule is not None:
             self._kappa_schedule = schedule
             self._kappa_now = schedule.value_at(self._level.last_tokens)
+        self._apply_run_length()  # the adapter's run length the state carries (the user's total_tokens wins)
         # a state with no scheduled-LR reference (saved with convert_lr_decay=False, the earlier
         # default, or without a scheduled LR): its halvings count from the scheduled LR at resume
         self._resumed_without_lr_reference = self._level.started and self._conversion.reference == 0.0

@@ -43,15 +43,20 @@ class EfficiencyBudget:
         settings: the controller; read: ``efficiency_budget`` (the share of the run's tokens that may be
             lost, LR-weighted) and ``total_tokens`` (the run's length in units; the rule is inactive
             while either is ``None``).
+
+    :attr:`run_length` is the run's length as an adapter gave it
+    (:meth:`~cbs_tracker.policy.controller.BatchSizeController.set_run_length`); it is state, saved so that
+    a resumed run has it before the adapter gives it again.
     """
 
-    KEYS = ("efficiency_spent", "efficiency_lr_peak", "efficiency_last_tokens")
+    KEYS = ("efficiency_spent", "efficiency_lr_peak", "efficiency_last_tokens", "efficiency_run_length")
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
         self.spent = 0.0  # LR-weighted units lost so far
         self.lr_peak = 0.0  # highest scheduled LR seen (0: none yet)
         self.last_tokens: float | None = None  # units seen at the last observation (None: none yet)
+        self.run_length: float | None = None  # the run's length in units as an adapter gave it (None: none)
 
     @property
     def active(self) -> bool:
@@ -92,15 +97,18 @@ class EfficiencyBudget:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {"efficiency_spent": self.spent, "efficiency_lr_peak": self.lr_peak,
-                "efficiency_last_tokens": -1.0 if self.last_tokens is None else self.last_tokens}
+                "efficiency_last_tokens": -1.0 if self.last_tokens is None else self.last_tokens,
+                "efficiency_run_length": 0.0 if self.run_length is None else self.run_length}
 
     @staticmethod
     def parse_state(read: StateReader) -> dict[str, Any]:
         # optional keys: a state saved before this rule existed loads with nothing spent
         return {"spent": read.number("efficiency_spent", minimum=0.0, default=0.0),
                 "lr_peak": read.number("efficiency_lr_peak", minimum=0.0, default=0.0),
-                "last_tokens": read.number("efficiency_last_tokens", minimum=-1.0, default=-1.0)}
+                "last_tokens": read.number("efficiency_last_tokens", minimum=-1.0, default=-1.0),
+                "run_length": read.number("efficiency_run_length", minimum=0.0, default=0.0)}
 
     def assign(self, parsed: dict[str, Any]) -> None:
         self.spent, self.lr_peak = parsed["spent"], parsed["lr_peak"]
         self.last_tokens = None if parsed["last_tokens"] < 0 else parsed["last_tokens"]
+        self.run_length = parsed["run_length"] or None
