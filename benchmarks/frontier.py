@@ -6,15 +6,20 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Two settings unlike each other (``examples/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Three settings unlike each other (``examples/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
-minutes a run on one core), and ``prose`` (3 layers x 96, context 64, the standard library's
-docstrings, 2.1M tokens from 256-token batches, about 5 minutes). Rules (``RULES``): ``constant``
-(the setting's starting batch throughout), ``kappa0.3`` ... ``kappa0.7``
-(the controller at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into
-growth alone: the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the
-controller with ``convert_lr_decay``: the default), ``measured`` / ``cooled`` (``kappa`` from branches without
-and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4, 9/10 of the run).
+minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
+docstrings, 2.1M tokens from 256-token batches, about 5 minutes), and ``synth`` (4 layers x 64,
+context 32, peak LR 3e-3, a synthetic word-chain language of known entropy, 1M tokens from 128-token
+batches, about 2 minutes); the first two chose the default, ``synth`` only judges. Rules (``RULES``):
+``constant`` (the setting's starting batch throughout), ``kappa0.3`` ... ``kappa0.7`` (the controller
+at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
+the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the controller with
+``convert_lr_decay``: the default, ``DEFAULT_RULE``), ``kappaA-B+convert`` (``kappa`` rising from A to B
+over the budget), ``eff0.08`` / ``eff0.12`` (the efficiency budget, ``efficiency_budget`` with the
+setting's budget as ``total_tokens``, no conversion), ``measured`` / ``cooled`` (``kappa`` from branches
+without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4,
+9/10 of the run).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
