@@ -171,7 +171,8 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
 
     panels = sorted({(p["setting"], p["schedule"]) for p in pts}, key=lambda k: (SETTING_ORDER.get(k[0], 9), k))
     rules = [r for r in RULES if r != "constant" and any(p["rule"] == r for p in pts)]
-    colours = {r: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(rules)}
+    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + ["black", "goldenrod", "teal", "magenta", "navy"]
+    colours = {r: palette[i % len(palette)] for i, r in enumerate(rules)}
     shapes = {r: "*" if r == DEFAULT_RULE else "osD^vPX"[i // 10 + 2 * (i % 3)] for i, r in enumerate(rules)}
     top = 0.03  # points above are drawn at the top edge, their value written beside them
     columns = max(1, len({s for s, _ in panels}))
