@@ -147,10 +147,19 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     assert f"ended {fm} nats (90% upper end {fu}) with {round(100 * default['full']['steps_saved'])}% fewer " \
            f"optimizer steps ({fr} fewer) on the 0.45M-parameter proof GPT" in readme, readme
     assert f"and {pm} nats ({pu}) with {round(100 * default['prose']['steps_saved'])}% fewer ({pr} fewer)" in readme
-    assert f"proof GPT {fm} nats (upper end {fu}), {fr} fewer steps; prose GPT {pm} ({pu}), {pr} fewer" in rows[0]
-    wf, wp = said(by[("full", "wsd", "kappa0.4+convert")]), said(by[("prose", "wsd", "kappa0.4+convert")])
+    sm, su, sr = said(by[("synth", "cosine", "kappa0.4+convert")])  # the setting that chose nothing
+    assert f"it ended {sm} nats ({su}) with {round(100 * by[('synth', 'cosine', 'kappa0.4+convert')]['steps_saved'])}% " \
+           f"fewer ({sr} fewer)" in readme
+    assert f"proof GPT {fm} nats (upper end {fu}), {fr} fewer steps; prose GPT {pm} ({pu}), {pr} fewer; " \
+           f"synthetic-language GPT (not chosen on) {sm} ({su}), {sr} fewer" in rows[0]
+    wf, wp, ws = (said(by[(s, "wsd", "kappa0.4+convert")]) for s in ("full", "prose", "synth"))
     assert (f"under warmup-stable-decay it ended {wf[0]} nats (upper end {wf[1]}) on the proof GPT and {wp[0]} ({wp[1]}) "
             "on prose") in text  # the README's known limits
+    assert (f"(proof GPT {wf[0]} nats, upper end {wf[1]}; prose {wp[0]}, {wp[1]}; synthetic {ws[0]}, {ws[1]})") in readme
+    saved_wsd = [round(100 * by[(s, "wsd", "kappa0.4+convert")]["steps_saved"]) for s in ("full", "prose", "synth")]
+    assert f"it saved {min(saved_wsd)}–{max(saved_wsd)}% and kept the loss only on the third" in readme
+    assert [s for s in ("full", "prose", "synth") if by[(s, "wsd", "kappa0.4+convert")]["delta_upper90"] <= 0.005] \
+        == ["synth"]
     for text_ in (readme, *rows):  # every loss difference is a point's mean or upper end, every share one of its
         assert set(re.findall(r"[+−]\d\.\d{3}", text_)) <= deltas | uppers, text_
         assert set(re.findall(r"(\d+)%", text_)) | set(re.findall(r"(\d+)–\d+%", text_)) <= every | {"90"}, text_
