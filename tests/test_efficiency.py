@@ -259,3 +259,39 @@ def test_on_a_planted_noise_scale_doublings_land_within_2x_of_the_offline_optimu
             assert offline / 2 <= online <= 2 * offline, (budget, fraction, online, offline)
     assert abs(saved[0.075] - saved[0.06]) <= 0.15, saved
     assert saved[0.06] > 0.3, saved
+
+
+def test_steps_at_the_starting_level_whose_units_vary_spend_nothing():
+    """Tokens per step vary with padding and masked labels: a step at the starting accumulation is compared
+    with its own units, not with the mean starting batch, so nothing is spent before a doubling."""
+    import random
+
+    rng = random.Random(0)
+    total = 2e7
+    c = BatchSizeController(efficiency_budget=0.05, total_tokens=total, max_accumulation_steps=2,
+                            convert_lr_decay=False)
+    tokens = 0.0
+    for step in range(1, 2001):
+        batch = 8192.0 * (1 + rng.uniform(-0.15, 0.15))
+        tokens += batch
+        c.update(step=step, tokens_seen=tokens, global_batch=batch, accumulation_steps=2, noise_scale=30000.0,
+                 noise_scale_low=25000.0, noise_scale_high=36000.0, scheduled_lr=1.0)
+    assert c.accumulation_steps == 2  # max_accumulation_steps keeps it at the start
+    assert c._efficiency.spent == 0.0
+
+
+def test_min_batch_lifts_the_target_as_under_kappa_and_does_not_block_growth():
+    total = 5e6
+    grown = drive(BatchSizeController(efficiency_budget=0.2, total_tokens=total, min_batch=4096.0,
+                                      convert_lr_decay=False), total=total, noise_scale=lambda t: 3000.0)
+    assert [b for _, b in grown["changes"]][:2] == [1024.0, 2048.0]
+
+
+def test_the_budget_refuses_shrinking_and_warns_once_without_a_run_length():
+    with pytest.raises(ValueError, match=r"efficiency_budget=0.1, allow_shrink=True"):
+        BatchSizeController(efficiency_budget=0.1, allow_shrink=True)
+    c = BatchSizeController(efficiency_budget=0.1, convert_lr_decay=False)
+    with pytest.warns(UserWarning, match=r"efficiency_budget=0.1\) has no run length.*tracker.done") as caught:
+        drive(c, total=1e6, noise_scale=lambda t: 6000.0)
+    assert sum("no run length" in str(w.message) for w in caught) == 1
+    assert c.accumulation_steps > 2  # the kappa rule decided

@@ -242,6 +242,10 @@ class BatchSizeController:
         _check_number("conversion_kappa", conversion_kappa)
         _check_number("efficiency_budget", efficiency_budget, allow_none=True)
         _check_number("total_tokens", total_tokens, allow_none=True)
+        if efficiency_budget is not None and allow_shrink:
+            raise ValueError(f"BatchSizeController(efficiency_budget={efficiency_budget!r}, allow_shrink=True): the "
+                             "efficiency budget only grows (its shrink would be kappa's and undo its doublings); "
+                             "use one or the other")
         if efficiency_budget is not None and efficiency_budget > 1.0:
             raise ValueError(f"BatchSizeController(efficiency_budget={efficiency_budget!r}): must be in (0, 1] "
                              "(the share of the run's tokens growth may lose)")
@@ -323,6 +327,7 @@ class BatchSizeController:
         self._plan = BudgetPlan(self)
         self._conversion = LRDecayConversion()
         self._efficiency = EfficiencyBudget(self)
+        self._warned_no_run_length = False
         self._resumed_without_lr_reference = False  # set by load_state_dict, cleared at the first scheduled LR
 
     # ------------------------------------------------------------------ kappa
@@ -570,7 +575,12 @@ class BatchSizeController:
         now = self._measure(step, float(tokens_seen), noise_scale, noise_scale_low, noise_scale_high,
                             scheduled_lr)
         if self._efficiency.active:
-            self._efficiency.observe(now.tokens, float(global_batch), self._level.batch(0), now.median, scheduled_lr)
+            # the step against its own starting-batch equivalent (its units at the starting accumulation), so
+            # a step at the starting level whose units vary (padding, masked labels) never counts as larger
+            start = float(global_batch) * self._level.a0 / accumulation_steps
+            self._efficiency.observe(now.tokens, float(global_batch), start, now.median, scheduled_lr)
+        elif self.efficiency_budget is not None:
+            self._warn_no_run_length(now)
         for rule in (self._wait_or_follow_plan, self._check_last_doubling, self._convert_lr_halving):
             decision = rule(now)
             if decision is not None:
@@ -770,9 +780,21 @@ class BatchSizeController:
         # the projection at the interval's lower end (a noise scale that read high by chance commits the rest
         # of the run); the ceiling at the median
         low = now.median if now.low is None else min(now.median, now.low)
-        batch = self._rules.clip(doubled)
-        return batch <= now.median and self._efficiency.allows(now.tokens, batch, self._level.batch(0), low,
-                                                               now.scheduled_lr)
+        return doubled <= self._rules.clip(now.median) and self._efficiency.allows(
+            now.tokens, doubled, self._level.batch(0), low, now.scheduled_lr)
+
+    def _warn_no_run_length(self, now: _Now) -> None:
+        """``efficiency_budget`` without the run's length: the ``kappa`` rule decides; said once, past warm-up."""
+        if self._warned_no_run_length or self._rules.waiting(self._level, now.tokens) == "warm-up":
+            return
+        self._warned_no_run_length = True
+        warnings.warn(
+            f"BatchSizeController(efficiency_budget={self.efficiency_budget:g}) has no run length (total_tokens=None "
+            "and no adapter gave one): the kappa rule decides growth. Pass total_tokens= (units of the whole run), "
+            "or stop the loop with tracker.done(...), which gives the length.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------- arguments
     def _check_start(self, global_batch: float, accumulation_steps: int) -> None:

@@ -64,9 +64,11 @@ class EfficiencyBudget:
         return s.efficiency_budget is not None and s.total_tokens is not None
 
     def lr_weight(self, scheduled_lr: float | None) -> float:
-        """The scheduled LR over its peak so far (1 without a scheduled LR)."""
-        if scheduled_lr is None or not math.isfinite(scheduled_lr) or scheduled_lr <= 0:
+        """The scheduled LR over its peak so far (1 without a scheduled LR, 0 at an LR of 0)."""
+        if scheduled_lr is None or not math.isfinite(scheduled_lr):
             return 1.0
+        if scheduled_lr <= 0:
+            return 0.0
         self.lr_peak = max(self.lr_peak, float(scheduled_lr))
         return float(scheduled_lr) / self.lr_peak
 
@@ -84,7 +86,7 @@ class EfficiencyBudget:
                   scheduled_lr: float | None) -> float:
         """The waste at the run's end if it ran at ``batch`` from ``tokens`` on, at today's noise scale and LR."""
         left = max(0.0, float(self.settings.total_tokens) - tokens)
-        weight = 1.0 if self.lr_peak <= 0 or scheduled_lr is None else min(1.0, scheduled_lr / self.lr_peak)
+        weight = 1.0 if self.lr_peak <= 0 or scheduled_lr is None else min(1.0, max(0.0, scheduled_lr) / self.lr_peak)
         return self.spent + left * waste_share(batch, start, noise_scale) * weight
 
     def allows(self, tokens: float, batch: float, start: float, noise_scale: float,
