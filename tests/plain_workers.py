@@ -65,6 +65,15 @@ class CountingLinear(nn.Module):
         return self.inner(x)
 
 
+def run_window(model: nn.Module, tracker: CBSTracker, step: int, rank: int) -> None:
+    """One window: ``tracker.accumulation_steps`` microbatches of step ``step``, each loss over the window."""
+    for i in range(tracker.accumulation_steps):
+        x, y = microbatch(step, i, rank)
+        with tracker.microbatch(size=x.shape[0]):
+            loss = 0.5 * (model(x).squeeze(-1) - y).pow(2).mean()
+            (loss / tracker.accumulation_steps).backward()
+
+
 def train(
     steps: int,
     *,
@@ -95,11 +104,7 @@ def train(
     log = []
     for step in range(start, steps):
         counting.calls = counting.samples = 0
-        for i in range(tracker.accumulation_steps):
-            x, y = microbatch(step, i, rank)
-            with tracker.microbatch(size=x.shape[0]):
-                loss = 0.5 * (model(x).squeeze(-1) - y).pow(2).mean()
-                (loss / tracker.accumulation_steps).backward()
+        run_window(model, tracker, step, rank)
         record = tracker.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -140,11 +145,7 @@ def run_to_budget(controller: BatchSizeController | None, budget: dict, *, rank:
         tracker.load_state_dict(state["tracker"])
     accumulations = []
     while not tracker.done(**budget):
-        for i in range(tracker.accumulation_steps):
-            x, y = microbatch(tracker.steps, i, rank)
-            with tracker.microbatch(size=x.shape[0]):
-                loss = 0.5 * (model(x).squeeze(-1) - y).pow(2).mean()
-                (loss / tracker.accumulation_steps).backward()
+        run_window(model, tracker, tracker.steps, rank)
         record = tracker.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -373,9 +373,8 @@ class TrackingSession:
             return None
         if key == "steps":
             return value * self.starting_units
-        ranks = max(self.dp_degree, 1)
-        per_microbatch = self.starting_units / (self.starting_accumulation * ranks)  # one loader batch, one rank
-        return value * per_microbatch * ranks
+        # microbatches per rank: each rank's loader batch holds starting_units / (A0 x ranks), times the ranks
+        return value * self.starting_units / self.starting_accumulation
 
     def _push_run_length(self) -> None:
         setter = getattr(self.controller, "set_run_length", None)
