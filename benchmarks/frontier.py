@@ -6,7 +6,7 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Three settings unlike each other (``examples/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Three settings unlike each other (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
 minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes), and ``synth`` (4 layers x 64,
@@ -37,22 +37,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from proof import gpt_proof as base
+from proof import gpt_proof_lr as proof_lr
 
-import gpt_proof as base  # noqa: E402
-import gpt_proof_lr as proof_lr  # noqa: E402
+ROOT = base.ROOT
 
-#: frontier rule -> the run schedule of ``examples/gpt_proof_lr.py``
+#: frontier rule -> the run schedule of ``benchmarks/proof/gpt_proof_lr.py``
 RULES = {
     "constant": "constant",
     "kappa0.3": "tracker_kappa03",
@@ -317,9 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     while todo or running:
         while todo and len(running) < args.jobs:
             run = todo.pop(0)
-            cmd = [sys.executable, str(ROOT / "examples" / "gpt_proof_lr.py"), "--worker", json.dumps([asdict(run)]),
-                   "--setting", setting.name, "--out", str(out)]
-            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            cmd, env = base.worker_command("gpt_proof_lr", "--worker", json.dumps([asdict(run)]),
+                                           "--setting", setting.name, "--out", str(out))
             log = open(out / "logs" / f"{run.name}.log", "wb")  # noqa: SIM115
             running.append((run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
             print(f"[{time.strftime('%H:%M:%S')}] start {setting.name} {run.name}", flush=True)

@@ -2,7 +2,7 @@
 
     python benchmarks/schedule_handramp.py [--out runs/schedule_handramp] [--seed 0]
 
-Trains ``hand_ramp_seed<seed>`` of ``examples/gpt_proof.py`` (2-layer GPT, 5M tokens, 2k -> 4k -> 8k -> 16k
+Trains ``hand_ramp_seed<seed>`` of ``benchmarks/proof/gpt_proof.py`` (2-layer GPT, 5M tokens, 2k -> 4k -> 8k -> 16k
 tokens at 1/2, 3/4 and 9/10 of the budget, constant LR after warm-up) twice in parallel, one process each:
 with ``BatchSchedule(ramp_marks(setting))`` and with ``HandRampController``. Prints the batch changes, the
 final losses and the schedule's warnings, and writes ``docs/schedule_handramp_full_seed<seed>.json``.
@@ -12,25 +12,18 @@ About 4-7 minutes on two cores.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from proof import gpt_proof
 
-
-def _proof():
-    spec = importlib.util.spec_from_file_location("gpt_proof", ROOT / "examples" / "gpt_proof.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt_proof"] = module
-    spec.loader.exec_module(module)
-    return module
+ROOT = gpt_proof.ROOT
 
 
 def _one(kind: str, seed: int, out: Path) -> None:
-    proof = _proof()
+    proof = gpt_proof
     if kind == "hand_written":
         proof.make_controller = lambda spec, setting, micro: proof.HandRampController(setting, micro)
     result = proof.train_run(proof.RunSpec("hand_ramp", seed), proof.FULL, out / kind)

@@ -7,35 +7,11 @@ Start the same command on every node (here two agents on one machine stand for t
         --rdzv-conf=is_host=1 examples/elastic_ddp.py --backend gloo --checkpoint-dir ckpt
         # is_host=0 on the other nodes; HOST is 127.0.0.1 when all agents run on one machine
 
-The agent at ``HOST`` hosts the c10d store (``is_host=1``; it must outlive the others). Every
-node gives the same ``--checkpoint-dir`` (one folder on one machine, a shared filesystem on
-several). The first agent waits for the others up to the rendezvous' last call (30 s by
-default, ``--rdzv-conf=last_call_timeout=S``) and then starts with the nodes it has.
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` lets a node join a running job: with torch's default
-(the agents' store shared with the workers, torch 2.13) the joining agent waits for an address
-the running ones never publish in the new round, and after 60 s every agent fails.
-
-When a node is lost, the surviving workers fail in their next collective, their agents restart
-them (one of ``--max-restarts``) after a new rendezvous without it; when a node joins, the
-running agents stop their workers and start them again with it (not counted as a restart). Either
-way the script resumes from the newest checkpoint in ``--checkpoint-dir`` at the new world
-size: ``CBSTracker.load_state_dict`` keeps the global batch (the accumulation per rank becomes
-``A * D / D'``), the LR coupling, the schedule's position in tokens, the estimate and the
-controller; the ``SequenceStream`` position counts global sequences, so the data continues
-where the checkpoint left it.
-
-Every ``--checkpoint-every`` optimizer steps rank 0 saves the model, the optimizer, the LR
-scheduler, the tracker and the stream (to a temporary file, then renamed: a node lost mid-write
-never leaves a torn checkpoint; the last ``--keep`` are kept); on several machines
-``--checkpoint-dir`` must be a filesystem they share. Rank 0 appends one JSON line per optimizer
-step to ``--log-file`` (step, tokens, global batch, accumulation, world size, LR...).
-A run resumed by hand at another size: ``torchrun --standalone --nproc-per-node=N
-examples/elastic_ddp.py --checkpoint-dir new --resume-from ckpt/ckpt-000040.pt``.
-
-At the end every rank waits for the others, destroys the process group and leaves with
-``os._exit``: DDP keeps gloo's threads alive past ``destroy_process_group`` (torch 2.13), and
-the interpreter's own teardown then aborts a finished worker now and then ("terminate called
-without an active exception"), so that its agent restarts a run that was done.
+Rank 0 saves model, optimizer, scheduler, tracker and stream every ``--checkpoint-every`` steps to
+``--checkpoint-dir`` (one folder every node sees) and logs one JSON line per step to ``--log-file``;
+each start resumes from the newest, where ``CBSTracker.load_state_dict`` keeps the global batch at
+the new world size (``A * D / D'`` per rank). docs/guide.md ("Elastic torchrun") says what the
+agents do, why the environment variable, a resume by hand, and why workers leave with ``os._exit``.
 """
 
 from __future__ import annotations
@@ -60,33 +36,23 @@ from cbs_tracker.demo.launch import join_torchrun
 from cbs_tracker.policy.controller import BatchSizeController
 
 CHECKPOINT = re.compile(r"ckpt-(\d+)\.pt")
+D_MODEL, N_LAYER, MAX_BYTES = 32, 1, 1_000_000  # the demo GPT and the corpus bytes it reads
+LR_WARMUP, CONTROLLER_WARMUP, PATIENCE, MAX_BATCH_SEQUENCES = 10, 8, 2, 64  # in optimizer steps; sequences
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                   help="process-group backend (default: nccl with CUDA, else gloo)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--checkpoint-dir", required=True, help="where checkpoints are written and resumed from")
     p.add_argument("--checkpoint-every", type=int, default=10, help="save every N optimizer steps (default 10)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2; 0 keeps all)")
-    p.add_argument("--resume-from", default=None,
-                   help="a checkpoint to start from when --checkpoint-dir holds none (a run resumed by hand)")
-    p.add_argument("--log-file", default=None, help="JSON lines, one per step, appended by rank 0 "
-                   "(default: CHECKPOINT_DIR/train.jsonl)")
-    p.add_argument("--total-steps", type=int, default=300,
-                   help="the data budget, in optimizer steps at the starting batch; the LR schedule's length")
-    p.add_argument("--batch-sequences", type=int, default=8,
-                   help="starting global batch in sequences, whatever the world size (default 8)")
+    p.add_argument("--resume-from", default=None, help="start from this checkpoint if --checkpoint-dir has none")
+    p.add_argument("--log-file", default=None, help="JSON lines by rank 0 (default: CHECKPOINT_DIR/train.jsonl)")
+    p.add_argument("--total-steps", type=int, default=300, help="budget and LR schedule, in starting-batch steps")
+    p.add_argument("--batch-sequences", type=int, default=8, help="starting global batch, in sequences")
     p.add_argument("--micro-sequences", type=int, default=2, help="sequences per microbatch per rank (default 2)")
     p.add_argument("--seq-len", type=int, default=32, help="context length (default 32)")
-    p.add_argument("--d-model", type=int, default=32, help="model width (default 32)")
-    p.add_argument("--n-layer", type=int, default=1, help="transformer blocks (default 1)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate at the starting batch")
-    p.add_argument("--lr-warmup", type=int, default=10, help="linear LR warm-up, in starting-batch steps")
-    p.add_argument("--warmup-steps", type=int, default=8, help="controller: no change before this step")
-    p.add_argument("--patience", type=int, default=2, help="controller: measurements a change must hold for")
-    p.add_argument("--max-batch-sequences", type=int, default=64, help="controller: largest global batch")
-    p.add_argument("--max-bytes", type=int, default=1_000_000, help="use only the first N bytes of the corpus")
     p.add_argument("--print-every", type=int, default=25, help="print a line every N optimizer steps")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -101,37 +67,31 @@ def checkpoints(directory: Path) -> list[Path]:
 def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write ``state`` to ``ckpt-STEP.pt`` through a temporary file and a rename; keep the newest ``keep``."""
     path = directory / f"ckpt-{step:06d}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    torch.save(state, tmp := path.with_name(path.name + ".tmp"))
     os.replace(tmp, path)  # atomic: a reader sees the old set of files or the new one
-    if keep > 0:
-        for old in checkpoints(directory)[:-keep]:
-            old.unlink(missing_ok=True)
+    for old in checkpoints(directory)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
     return path
 
 
-def lr_schedule(total_steps: int, warmup: int):
+def lr_factor(step: int, total_steps: int) -> float:
     """Linear warm-up, then cosine to 10% of the peak, in optimizer steps at the starting batch."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-    return factor
+    progress = min(1.0, max(0, step - LR_WARMUP) / max(1, total_steps - LR_WARMUP))
+    return (step + 1) / LR_WARMUP if step < LR_WARMUP else 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
     rank, world, device = join_torchrun(args.backend, timeout_s=60)
-    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
-            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        print("elastic_ddp: torchrun shares its rendezvous store with the workers; a node that joins "
-              "later will time out (torch 2.13): start every agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-              flush=True)
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        print("elastic_ddp: a node that joins later will time out (torch 2.13): start every agent with "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", flush=True)
     train(args, rank, world, device)
     dist.barrier()  # every rank past its last collective before any leaves
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
     return 0
 
 
@@ -145,35 +105,29 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         for stale in ckpt_dir.glob("ckpt-*.pt.tmp"):  # a write that a lost node left unfinished
             stale.unlink(missing_ok=True)
-    # rank 0 picks the checkpoint, so every rank resumes from the same one
-    chosen: list[Any] = [None]
-    if rank == 0:
-        found = checkpoints(ckpt_dir)
-        chosen[0] = str(found[-1]) if found else args.resume_from
-    dist.broadcast_object_list(chosen, src=0)
+    found = checkpoints(ckpt_dir) if rank == 0 else []
+    chosen = [str(found[-1]) if found else args.resume_from]
+    dist.broadcast_object_list(chosen, src=0)  # rank 0's choice: every rank resumes from the same checkpoint
     resume = chosen[0]
     ckpt = torch.load(resume, map_location="cpu", weights_only=True) if resume else None
 
-    micro_tokens = args.micro_sequences * args.seq_len
     if ckpt is None and args.batch_sequences % (args.micro_sequences * world):
         raise SystemExit(f"--batch-sequences {args.batch_sequences} is not a multiple of "
                          f"--micro-sequences x world size = {args.micro_sequences * world}")
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts them)
-    corpus = load_corpus(args.max_bytes)
-    model = GPT(GPTConfig(context_length=args.seq_len, d_model=args.d_model, n_layer=args.n_layer, n_head=2))
+    corpus = load_corpus(MAX_BYTES)
+    model = GPT(GPTConfig(context_length=args.seq_len, d_model=D_MODEL, n_layer=N_LAYER, n_head=2))
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
     model.to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_adamw(ddp.module, lr=args.lr, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args.total_steps, args.lr_warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.total_steps))
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-    controller = BatchSizeController(
-        warmup_steps=args.warmup_steps, warmup_tokens=0, cooldown_tokens=0, patience=args.patience, window=4,
-        kappa=2.0, max_batch=args.max_batch_sequences * args.seq_len,
-    )
+    controller = BatchSizeController(warmup_steps=CONTROLLER_WARMUP, warmup_tokens=0, cooldown_tokens=0, patience=PATIENCE,
+                                     window=4, kappa=2.0, max_batch=MAX_BATCH_SEQUENCES * args.seq_len)
     # a fresh run starts at --batch-sequences globally; a resumed one at the checkpoint's global batch
     accumulation = max(1, args.batch_sequences // (args.micro_sequences * world))
     tracker = CBSTracker(ddp, optimizer, accumulation_steps=accumulation,
@@ -182,30 +136,23 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if ckpt is not None:
         tracker.load_state_dict(ckpt["tracker"])  # converts the accumulation to this world size
         stream.load_state_dict(ckpt["stream"])
-    log = None
-    if rank == 0:
-        torn = log_path.exists() and log_path.stat().st_size > 0 and not log_path.read_bytes().endswith(b"\n")
-        log = open(log_path, "a", buffering=1)  # noqa: SIM115 (closed at the end)
-        if torn:  # a rank 0 lost mid-line: end that line, so this run's lines stay whole
-            log.write("\n")
+    log = open(log_path, "a", buffering=1) if rank == 0 else None  # noqa: SIM115 (closed at the end)
+    if log is not None and log.tell() > 0 and not log_path.read_bytes().endswith(b"\n"):
+        log.write("\n")  # a rank 0 lost mid-line: end that line, so this run's lines stay whole
 
     def emit(**fields: Any) -> None:
         if log is not None:
             log.write(json.dumps(fields) + "\n")
 
-    emit(event="start", world_size=world, restart=restart, resumed_from=resume,
-         step=tracker.steps, tokens_seen=tracker.tokens_seen,
-         accumulation=tracker.accumulation_steps, global_batch=tracker.accumulation_steps * micro_tokens * world)
+    batch = tracker.accumulation_steps * args.micro_sequences * args.seq_len * world
+    emit(event="start", world_size=world, restart=restart, resumed_from=resume, step=tracker.steps,
+         tokens_seen=tracker.tokens_seen, accumulation=tracker.accumulation_steps, global_batch=batch)
     if rank == 0:
-        print(f"elastic_ddp: {world} ranks ({dist.get_backend()}), restart {restart}, "
-              + (f"resumed from {resume} at step {tracker.steps}" if resume else "fresh start")
-              + f"; global batch {tracker.accumulation_steps * micro_tokens * world:,} tokens "
-              f"(A={tracker.accumulation_steps} per rank)", flush=True)
+        print(f"elastic_ddp: {world} ranks, restart {restart}, from {resume or 'scratch'}, global batch {batch:,}", flush=True)
 
     def state() -> dict[str, Any]:
-        return {"step": tracker.steps, "world_size": world, "model": ddp.module.state_dict(),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "tracker": tracker.state_dict(), "stream": stream.state_dict()}
+        return {"step": tracker.steps, "world_size": world, "model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "tracker": tracker.state_dict(), "stream": stream.state_dict()}
 
     start = time.perf_counter()
     record = None
@@ -235,11 +182,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             dist.barrier()  # nobody runs ahead of a checkpoint that a restart may need
         changed = record.next_accumulation_steps != record.accumulation_steps
         if rank == 0 and (record.step % args.print_every == 0 or changed):
-            note = f"  -> A={record.next_accumulation_steps}" if changed else ""
-            ns = "-" if record.noise_scale is None else f"{record.noise_scale:,.0f}"
-            print(f"step {record.step:>5} tokens {record.tokens_seen:>9,.0f} loss {total / record.accumulation_steps:.3f} "
-                  f"noise scale {ns:>7} global batch {record.global_batch:>6,.0f} A={record.accumulation_steps}"
-                  f" lr {lr:.2e}{note}", flush=True)
+            print(f"step {record.step:>5} tokens {record.tokens_seen:>9,.0f} loss {total / record.accumulation_steps:.3f}"
+                  f" noise scale {record.noise_scale or 0:>7,.0f} global batch {record.global_batch:>6,.0f} lr {lr:.2e}"
+                  f" A={record.accumulation_steps}" + (f" -> {record.next_accumulation_steps}" if changed else ""), flush=True)
     if rank == 0 and (record is None or record.step % args.checkpoint_every != 0):
         path = save_checkpoint(ckpt_dir, tracker.steps, state(), args.keep)
         emit(event="checkpoint", step=tracker.steps, path=str(path))
@@ -247,13 +192,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
          accumulation=tracker.accumulation_steps, noise_scale=tracker.noise_scale)
     if rank == 0:
         print(f"done: {tracker.steps} steps, {tracker.tokens_seen:,.0f} tokens in {time.perf_counter() - start:.0f}s "
-              f"on {world} ranks; global batch {tracker.accumulation_steps * micro_tokens * world:,} tokens "
-              f"(A={tracker.accumulation_steps})", flush=True)
+              f"on {world} ranks, A={tracker.accumulation_steps}", flush=True)
         log.close()
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # past the interpreter's teardown, where gloo's leftover threads can abort a finished run
+    os._exit(main())  # past the interpreter's teardown, where gloo's leftover threads can abort a finished run

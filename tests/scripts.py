@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(relative: str, name: str) -> ModuleType:
-    """``relative`` (e.g. ``"examples/gpt_proof_lr.py"``) as module ``name``, its folder importable while it loads
-    (the proof scripts import their neighbours) and the module registered (dataclasses look it up)."""
+    """``relative`` (e.g. ``"benchmarks/frontier.py"``) as module ``name``, its folder importable while it loads
+    (``frontier.py`` imports the ``proof`` package beside it) and the module registered (dataclasses look it up)."""
     path = ROOT / relative
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

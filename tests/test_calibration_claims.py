@@ -5,16 +5,13 @@ A table edited by hand, or a JSON rerun without its table, fails here."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from benchmarks.proof import calibrate_proof, measured_kappa_report
 
-import calibrate_proof  # noqa: E402
-import measured_kappa_report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # the uncooled-branch tables of the proof GPT moved, with their commits, to history-2026.md
 RESULTS = "\n".join((ROOT / "docs" / name).read_text() for name in ("results.md", "history-2026.md"))

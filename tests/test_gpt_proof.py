@@ -1,4 +1,4 @@
-"""Smoke test of the proof experiment (examples/gpt_proof.py): ``--quick`` end to end, outputs and schema.
+"""Smoke test of the proof experiment (benchmarks/proof/gpt_proof.py): ``--quick`` end to end, outputs and schema.
 
 The quick setting (1-layer width-32 GPT, context 32, 32,768-token budget, one seed)
 runs every kind of run the full experiment has, two at a time in subprocesses,
@@ -9,37 +9,24 @@ shared initialisation), not with the script's own bookkeeping.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchmarks.proof import gpt_proof as proof
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "gpt_proof.py"
-
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpt_proof", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt_proof"] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-proof = _load_script()
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("proof")
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.proof.gpt_proof", "--quick", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -177,7 +164,7 @@ def test_same_seed_same_initialisation_and_tensorboard_logs(quick_run: Path) -> 
 def test_report_only_rebuilds_the_same_results(quick_run: Path) -> None:
     before = _results(quick_run)
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(quick_run), "--report-only"],
+        [sys.executable, "-m", "benchmarks.proof.gpt_proof", "--quick", "--out", str(quick_run), "--report-only"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The wall-clock proof's interleaving (examples/gpt_proof_lr.py, ``--runs a+b``).
+"""The wall-clock proof's interleaving (benchmarks/proof/gpt_proof_lr.py, ``--runs a+b``).
 
 Runs that share one process step by step must train exactly as they do alone (no state
 leaks between them: RNG, LR schedule, tracker), and each run's clock must count its own
@@ -13,12 +13,13 @@ from types import ModuleType
 import pytest
 import torch
 
+from benchmarks.proof import gpt_proof_lr
 from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    return load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_interleave")
+    return gpt_proof_lr
 
 
 def test_interleaved_runs_train_as_they_do_alone_and_time_only_themselves(script, tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import load_script
+from benchmarks.proof import gpt_proof_lr
 from tests.test_claims import _rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_readme_proof_table_is_what_the_script_wrote(header, results):
 def test_microbatch_first_wallclock_table_is_what_the_script_wrote(results, label):
     """docs/results.md's wall-clock tables against what the script wrote, through the script's own
     formatter; the README's row quotes the range of the microbatch-first time ratios over every seed."""
-    script = load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_claims")
+    script = gpt_proof_lr
     rows = json.loads((ROOT / "docs" / results).read_text())
     header = f"| seed | {label} | final val loss | vs constant 512 | optimizer steps | training seconds |"
     assert _readme_rows(header) == [
@@ -67,7 +67,7 @@ def test_microbatch_first_wallclock_table_is_what_the_script_wrote(results, labe
 def test_microbatch_first_phase_table_is_what_the_script_wrote():
     """The per-batch time ratios in docs/results.md are the script's ``phase_ratios`` of the idle-machine runs,
     as written to their JSON."""
-    script = load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_claims")
+    script = gpt_proof_lr
     rows = json.loads((ROOT / "docs" / "proof_mbfirst_idle_wallclock.json").read_text())
     table = script.phase_table(rows)
     assert len(table.splitlines()) > 2
@@ -81,7 +81,7 @@ def test_microbatch_first_phase_table_is_what_the_script_wrote():
 def test_phase_ratios_against_a_hand_computed_run():
     # a run at batch 1 for 4 tokens then batch 2 for 4 more, twice as fast per token in its second phase as the
     # reference's steady 1 s per token: the ratios are 1.0 and 0.5, read off evaluations at every 2 tokens
-    script = load_script("examples/gpt_proof_lr.py", "gpt_proof_lr_claims")
+    script = gpt_proof_lr
     run = {"trace": {"tokens": [1, 2, 3, 4, 6, 8], "global_batch": [1, 1, 1, 1, 2, 2]},
            "evals": {"tokens": [0, 2, 4, 6, 8], "train_s": [0, 2, 4, 5, 6]}}
     ref = {"evals": {"tokens": [0, 2, 4, 6, 8], "train_s": [0, 2, 4, 6, 8]}}

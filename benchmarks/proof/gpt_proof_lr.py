@@ -22,34 +22,30 @@ multiplies it by the batch-size coupling. Runs, per seed and LR schedule
   measuring at ``measure_every="auto"`` (the tracker's own work kept near 1% of a step);
 * ``tracker_kappa04`` (cosine and WSD): the default controller at ``kappa=0.4``;
 * ``tracker_measured`` (cosine): the default controller with the ``kappa`` measured by branches
-  (``examples/calibrate_proof.py``; the file ``MEASURED_KAPPA``), interpolated in log tokens;
+  (``benchmarks/proof/calibrate_proof.py``; the file ``MEASURED_KAPPA``), interpolated in log tokens;
   ``tracker_measured_cap`` the same with the coupled LR capped at its peak;
 * ``constant_512_fast`` (cosine): constant 512 at its fastest layout on one process, one
   512-token microbatch per step, without the tracker (no noise scale is measurable there).
 
 Usage::
 
-    python examples/gpt_proof_lr.py --out runs/proof_lr          # about an hour on two cores
-    python examples/gpt_proof_lr.py --quick --out runs/proof_lr_quick
+    python -m benchmarks.proof.gpt_proof_lr --out runs/proof_lr          # about an hour on two cores
+    python -m benchmarks.proof.gpt_proof_lr --quick --out runs/proof_lr_quick
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import gpt_proof as base  # noqa: E402  (the shared setting, data and evaluation)
+from . import gpt_proof as base  # the shared setting, data and evaluation
 
 SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_kappa1", "tracker_budget",
              "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04", "tracker_measured",
@@ -66,10 +62,10 @@ _KAPPA_RAMP_RUN = re.compile(r"tracker_kappa(\d)(\d)_(\d)(\d)(_convert)?")
 #: ``total_tokens`` the setting's budget), no LR-decay conversion
 _EFF_RUN = re.compile(r"tracker_eff(\d)(\d\d)")
 #: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
-COOLED_KAPPA = {name: Path(__file__).resolve().parents[1] / "docs" / f"calibration_cooled_{name}_seed0.json"
+COOLED_KAPPA = {name: base.ROOT / "docs" / f"calibration_cooled_{name}_seed0.json"
                 for name in ("full", "prose")}
 #: the kappa of ``tracker_measured`` runs: a calibration of the proof setting by branches
-MEASURED_KAPPA = Path(__file__).resolve().parents[1] / "docs" / "calibration_full_seed0.json"
+MEASURED_KAPPA = base.ROOT / "docs" / "calibration_full_seed0.json"
 #: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
 MBFIRST_MAX_SEQUENCES = 16
 BASELINE_TOKENS = 512
@@ -126,7 +122,7 @@ def plan(setting: base.Setting) -> list[Run]:
 
 
 def measured_kappa(path: Path = MEASURED_KAPPA) -> list[tuple[float, float]]:
-    """``(tokens, kappa)`` of a calibration file written by ``examples/calibrate_proof.py``."""
+    """``(tokens, kappa)`` of a calibration file written by ``benchmarks/proof/calibrate_proof.py``."""
     points = json.loads(path.read_text())["points"]
     return [(p["tokens"], p["kappa"]) for p in points if p["kappa"] is not None]
 
@@ -435,9 +431,8 @@ def run_all(setting: base.Setting, out: Path, jobs: int, only: set[str] | None,
         while todo and len(running) < jobs:
             group = todo.pop(0)
             label = "+".join(r.name for r in group)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([asdict(r) for r in group]),
-                   "--setting", setting.name, "--out", str(out)]
-            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            cmd, env = base.worker_command("gpt_proof_lr", "--worker", json.dumps([asdict(r) for r in group]),
+                                           "--setting", setting.name, "--out", str(out))
             log = open(out / "logs" / f"{label}.log", "wb")  # noqa: SIM115
             running[label] = (group, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
             print(f"[{time.strftime('%H:%M:%S')}] start {label}", flush=True)

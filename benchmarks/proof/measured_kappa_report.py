@@ -1,11 +1,11 @@
 """The proof under cosine, four seeds paired: the tracker with the measured kappa against constant 512,
 the default kappa = 0.5 and kappa = 0.4.
 
-Reads the ``tracker_measured`` runs of ``examples/gpt_proof_lr.py`` (``<runs>/runs/*.json``) and the
+Reads the ``tracker_measured`` runs of ``benchmarks/proof/gpt_proof_lr.py`` (``<runs>/runs/*.json``) and the
 earlier runs of the same setting from ``docs/`` (constant 512, kappa = 0.5, kappa = 0.4), prints the
 Markdown table of ``docs/results.md`` and writes the JSON it is made from.
 
-    python examples/measured_kappa_report.py --runs runs/proof_measured --json docs/proof_measured_results.json
+    python -m benchmarks.proof.measured_kappa_report --runs runs/proof_measured --json docs/proof_measured_results.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: where the earlier runs of each seed are recorded (the same setting key)
 EARLIER = {0: ("proof_lr_results.json", "proof_lr_window_results.json", "proof_kappa04_results.json"),
            1: ("proof_lr_results.json", "proof_lr_window_results.json", "proof_kappa04_results.json"),

@@ -3,8 +3,8 @@
 Same model, data order and token budget for every run; only the batch schedule differs.
 ``docs/design.md`` (The proof experiment) gives the protocol, the README the results.
 
-    python examples/gpt_proof.py --out runs/proof           # everything (--only constant,hand_ramp: a part)
-    python examples/gpt_proof.py --quick --out /tmp/proof   # tiny model and budget (smoke test)
+    python -m benchmarks.proof.gpt_proof --out runs/proof           # everything (--only constant,hand_ramp: a part)
+    python -m benchmarks.proof.gpt_proof --quick --out /tmp/proof   # tiny model and budget (smoke test)
 """
 
 from __future__ import annotations
@@ -24,6 +24,18 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+#: the repository (this package is ``benchmarks/proof``): the docs the runs read, the root workers import from
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_command(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a worker process: ``python -m benchmarks.proof.<module> ...``,
+    with the repository importable and one thread per process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-m", f"benchmarks.proof.{module}", *args], env
+
 
 # ---------------------------------------------------------------------------- settings
 
@@ -687,9 +699,8 @@ def run_all(setting: Setting, out: Path, *, jobs: int, only: set[str] | None, fo
             spec = todo.pop(0)
             started.add(spec.name)
             log = open(out / "logs" / f"{spec.name}.log", "wb")  # noqa: SIM115 (closed when the run ends)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(asdict(spec)),
-                   "--setting", setting.name, "--out", str(out)]
-            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            cmd, env = worker_command("gpt_proof", "--worker", json.dumps(asdict(spec)),
+                                      "--setting", setting.name, "--out", str(out))
             running[spec.name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log,
                                   time.time())
             print(f"[{time.strftime('%H:%M:%S')}] start {spec.name}", flush=True)

@@ -8,24 +8,20 @@ LR x sqrt(k) on the schedule's own timing, two replicates over data orders, a co
 unchanged after each calibration. Writes ``<out>/calibration_<setting>_seed<s>.json`` after
 every point.
 
-    python examples/calibrate_proof.py --out runs/calib                                   # proof setting
-    python examples/calibrate_proof.py --setting deep --branch-tokens 131072 --out runs/calib  # second setting
-    python examples/calibrate_proof.py --setting quick --out /tmp/calib                   # smoke test
-    python examples/calibrate_proof.py --setting prose --cooldowns 0,0.5 --multiples 1,2,4,8 --no-control --out runs/calib
+    python -m benchmarks.proof.calibrate_proof --out runs/calib                                   # proof setting
+    python -m benchmarks.proof.calibrate_proof --setting deep --branch-tokens 131072 --out runs/calib  # second setting
+    python -m benchmarks.proof.calibrate_proof --setting quick --out /tmp/calib                   # smoke test
+    python -m benchmarks.proof.calibrate_proof --setting prose --cooldowns 0,0.5 --multiples 1,2,4,8 --no-control --out runs/calib
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import gpt_proof as base  # noqa: E402
+from . import gpt_proof as base
 
 #: the second setting: a narrower, twice as deep GPT at half the context (64 tokens, 4-sequence
 #: microbatches: the same 256-token microbatch), about the same cost per token on a CPU
