@@ -189,7 +189,7 @@ def test_bad_arguments_name_themselves(kwargs, name):
         BatchSizeController(**kwargs)
 
 
-def _offline_optimum(budget: float, total: float, b0: float, noise, lr, *, segments: int = 200, levels: int = 7):
+def offline_optimum(budget: float, total: float, b0: float, noise, lr, *, segments: int = 200, levels: int = 7):
     """The power-of-two schedule (non-decreasing, never above the noise scale) with the fewest steps whose
     LR-weighted waste is at most ``budget * total``: dynamic programming over ``segments`` equal spans for
     ``steps + lam * waste``, ``lam`` bisected to the budget. A slow exact reference for the online rule."""
@@ -229,7 +229,7 @@ def _offline_optimum(budget: float, total: float, b0: float, noise, lr, *, segme
     return solve(hi)
 
 
-def test_on_a_planted_noise_scale_doublings_land_within_2x_of_the_offline_optimum_and_the_knob_is_smooth():
+def test_on_a_planted_noise_scale_doublings_land_within_2x_of_theoffline_optimum_and_the_knob_is_smooth():
     """A noise scale planted by construction (rising from 2.5 to 14.5 starting batches under a cosine LR):
     at every fifth of the run the online rule's batch is within 2x of the batch of the offline optimum for the
     same budget, and a 25% larger budget changes the steps saved by at most 15 points."""
@@ -250,7 +250,7 @@ def test_on_a_planted_noise_scale_doublings_land_within_2x_of_the_offline_optimu
             batches.append((tokens, batch))
             acc = d.accumulation_steps
         saved[budget] = 1 - steps / (total / b0)
-        waste, best_steps, path = _offline_optimum(budget, total, b0, noise, lambda t: lr(t / total))
+        waste, best_steps, path = offline_optimum(budget, total, b0, noise, lambda t: lr(t / total))
         assert c._efficiency.spent <= budget * total * (1 + 1e-9)
         assert saved[budget] <= 1 - best_steps / (total / b0) + 1e-9  # the optimum saves at least as much
         for fraction in (0.2, 0.4, 0.6, 0.8, 0.95):
