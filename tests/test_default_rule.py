@@ -1,7 +1,7 @@
 """The default growth rule (``BatchSizeController()``: kappa 0.4 with the LR-decay conversion) on a noise
 scale planted by construction, against the best power-of-two schedule for the same waste.
 
-The truth that can disagree is the offline optimum of ``tests/test_efficiency.py``: dynamic programming
+The truth that can disagree is the offline optimum of ``benchmarks/planted_noise.py`` (its table): dynamic programming
 over the whole run, knowing the noise scale at every token in advance, for the power-of-two schedule with
 the fewest steps whose waste (tokens x McCandlish's share lost to the batch x LR / peak LR) fits a budget.
 The affordable batch, by construction: that schedule for a waste of 5% and of 8% of the run's tokens (the
@@ -14,42 +14,14 @@ under the threshold it does: the knife edge of ``test_efficiency.py``).
 
 from __future__ import annotations
 
-import math
+from pathlib import Path
 
 import pytest
 
+from benchmarks.planted_noise import B0, NOISE, SCHEDULES, TOTAL, offline_optimum, run
 from cbs_tracker.policy.controller import BatchSizeController
-from cbs_tracker.policy.efficiency import waste_share
-from tests.test_efficiency import MICRO, offline_optimum
 
-TOTAL, B0 = 4e6, 2 * MICRO
-SCHEDULES = {
-    "cosine": lambda p: 0.1 + 0.45 * (1 + math.cos(math.pi * min(p, 1.0))),
-    "wsd": lambda p: 1.0 if p < 0.8 else 1.0 - 0.9 * (p - 0.8) / 0.2,
-}
-NOISE = {
-    "linear": lambda t: B0 * (2.5 + 12 * t / TOTAL),
-    "steeper": lambda t: B0 * (4 + 16 * t / TOTAL),
-    "sqrt": lambda t: B0 * (2 + 14 * math.sqrt(t / TOTAL)),
-}
-
-
-def run(controller: BatchSizeController, noise, lr):
-    """The controller over the run, fed the planted noise scale (interval 0.8x to 1.25x): its steps, its batch
-    after every step and the waste it spent, each step's tokens x McCandlish's share lost x LR / peak LR."""
-    acc, tokens, steps, batches, waste, peak = 2, 0.0, 0, [], 0.0, 0.0
-    while tokens + MICRO * acc <= TOTAL:
-        batch = MICRO * acc
-        tokens += batch
-        steps += 1
-        n, lr_now = noise(tokens), lr(tokens / TOTAL)
-        peak = max(peak, lr_now)
-        waste += batch * waste_share(batch, B0, n) * lr_now / peak
-        d = controller.update(step=steps, tokens_seen=tokens, global_batch=batch, accumulation_steps=acc,
-                              noise_scale=n, noise_scale_low=0.8 * n, noise_scale_high=1.25 * n, scheduled_lr=lr_now)
-        batches.append((tokens, batch))
-        acc = d.accumulation_steps
-    return steps, batches, waste
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def batch_at(batches: list[tuple[float, float]], fraction: float) -> float:
@@ -95,3 +67,12 @@ def test_a_quarter_more_or_less_kappa_moves_the_defaults_saving_by_at_most_15_po
              for k in (0.32, 0.4, 0.5)}
     assert saved[0.32] < saved[0.4] < saved[0.5], saved  # the knob moves the saving at all
     assert abs(saved[0.5] - saved[0.4]) <= 0.15 and abs(saved[0.4] - saved[0.32]) <= 0.15, saved
+
+
+def test_the_results_table_is_what_the_benchmark_prints(capsys):
+    from benchmarks.planted_noise import main
+
+    main()
+    table = capsys.readouterr().out
+    assert table.count("\n") == 8
+    assert table in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")

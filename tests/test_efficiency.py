@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from benchmarks.planted_noise import offline_optimum
 from cbs_tracker.policy.controller import BatchSizeController
 from cbs_tracker.policy.efficiency import waste_share
 
@@ -189,47 +190,7 @@ def test_bad_arguments_name_themselves(kwargs, name):
         BatchSizeController(**kwargs)
 
 
-def offline_optimum(budget: float, total: float, b0: float, noise, lr, *, segments: int = 200, levels: int = 7):
-    """The power-of-two schedule (non-decreasing, never above the noise scale) with the fewest steps whose
-    LR-weighted waste is at most ``budget * total``: dynamic programming over ``segments`` equal spans for
-    ``steps + lam * waste``, ``lam`` bisected to the budget. A slow exact reference for the online rule."""
-    dt = total / segments
-    mids = [(i + 0.5) * dt for i in range(segments)]
-
-    def solve(lam):
-        cost = [0.0] + [math.inf] * (levels - 1)
-        back = []
-        for t in mids:
-            new, arg = [math.inf] * levels, [0] * levels
-            for e in range(levels):
-                j = min(range(e + 1), key=cost.__getitem__)
-                b = b0 * 2**e
-                if e and b > noise(t):
-                    continue
-                new[e] = cost[j] + dt / b + lam * dt * waste_share(b, b0, noise(t)) * lr(t)
-                arg[e] = j
-            back.append(arg)
-            cost = new
-        e = min(range(levels), key=cost.__getitem__)
-        path = [e]
-        for arg in reversed(back[1:]):
-            e = arg[e]
-            path.append(e)
-        path.reverse()
-        waste = sum(dt * waste_share(b0 * 2**e, b0, noise(t)) * lr(t) for e, t in zip(path, mids))
-        return waste, sum(dt / (b0 * 2**e) for e in path), path
-
-    lo, hi = 1e-9, 1e-1
-    for _ in range(40):
-        lam = math.sqrt(lo * hi)
-        if solve(lam)[0] > budget * total:
-            lo = lam
-        else:
-            hi = lam
-    return solve(hi)
-
-
-def test_on_a_planted_noise_scale_doublings_land_within_2x_of_theoffline_optimum_and_the_knob_is_smooth():
+def test_on_a_planted_noise_scale_doublings_land_within_2x_of_the_offline_optimum_and_the_knob_is_smooth():
     """A noise scale planted by construction (rising from 2.5 to 14.5 starting batches under a cosine LR):
     at every fifth of the run the online rule's batch is within 2x of the batch of the offline optimum for the
     same budget, and a 25% larger budget changes the steps saved by at most 15 points."""
