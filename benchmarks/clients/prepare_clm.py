@@ -5,7 +5,7 @@ library, one file in 20 held out), ``tokenizer/`` (a byte-level BPE of ``--vocab
 ``train.txt``, saved as a ``GPT2TokenizerFast``) and ``config/`` (GPT-2 with 2 layers, width 64,
 dropout 0 so that two runs on the same data draw the same numbers). Deterministic for one Python.
 
-    python examples/clients/prepare_clm.py runs/clm
+    python benchmarks/clients/prepare_clm.py runs/clm
 """
 
 from __future__ import annotations

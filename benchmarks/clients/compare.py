@@ -1,7 +1,7 @@
 """Compare a traced run with growth against the constant-batch run of the same script on the same data.
 
-    python examples/clients/compare.py CONSTANT.json GROWN.json [--coupling sqrt|linear|keep]
-    python examples/clients/compare.py CONSTANT.json FIRST.json --resumed RESUMED.json --checkpoint-step K
+    python benchmarks/clients/compare.py CONSTANT.json GROWN.json [--coupling sqrt|linear|keep]
+    python benchmarks/clients/compare.py CONSTANT.json FIRST.json --resumed RESUMED.json --checkpoint-step K
 
 Prints, and exits 1 unless all hold: the grown run trained the constant run's microbatches in their
 order, none twice, and past their end at most the rest of its last window (``tracker.done`` stops at

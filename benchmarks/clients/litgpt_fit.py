@@ -13,9 +13,9 @@ microbatches. ``--tracker`` edits ``fit()``'s source with the guide's lines (doc
 ``trace.py`` writes, for ``compare.py``.
 
     git -C litgpt show 26857050fe3ff627cd714fe92f5838f51a3d5efa:litgpt/pretrain.py > runs/pretrain.py
-    python examples/clients/litgpt_fit.py runs/pretrain.py runs/litgpt_constant.json
-    python examples/clients/litgpt_fit.py runs/pretrain.py runs/litgpt_tracker.json --tracker
-    python examples/clients/compare.py runs/litgpt_constant.json runs/litgpt_tracker.json
+    python benchmarks/clients/litgpt_fit.py runs/pretrain.py runs/litgpt_constant.json
+    python benchmarks/clients/litgpt_fit.py runs/pretrain.py runs/litgpt_tracker.json --tracker
+    python benchmarks/clients/compare.py runs/litgpt_constant.json runs/litgpt_tracker.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run ``examples/olmo_core_gpt.py`` unchanged; on rank 0 record every optimizer step's LR, global batch and tokens.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 examples/clients/olmo_trace.py OUT.json -- [ARGS]
+    python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/clients/olmo_trace.py OUT.json -- [ARGS]
 
 A global optimizer pre-step hook reads the trainer's ``global_step``, ``global_train_tokens_seen``
 (the step's batch included, the clock OLMo-core's token scheduler reads), the loader's
@@ -41,7 +41,8 @@ def main() -> None:
 
     olmo_trainer.Trainer.fit = fit_
     register_optimizer_step_pre_hook(hook)
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "olmo_core_gpt.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "examples", "olmo_core_gpt.py")  # run as a user runs it, as __main__
     sys.argv = [script, *args]
     try:
         runpy.run_path(script, run_name="__main__")

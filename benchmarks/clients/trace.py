@@ -1,6 +1,6 @@
 """Run a training script unchanged and record, at every optimizer step, the data it held and the LR it used.
 
-    python examples/clients/trace.py [--seedable-sampler] TRACE.json -- SCRIPT.py [ARGS ...]
+    python benchmarks/clients/trace.py [--seedable-sampler] TRACE.json -- SCRIPT.py [ARGS ...]
 
 Nothing in the script changes: global hooks watch it. A forward of a Hugging Face causal LM in
 training mode (``*ForCausalLM`` / ``*LMHeadModel``, called with ``labels=``) is one microbatch: its
