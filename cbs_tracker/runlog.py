@@ -139,13 +139,13 @@ def run_unit(run: RunScalars) -> str:
     return found[0]
 
 
-def _as_map(run: RunScalars, tag: str) -> dict[int, float]:
+def as_map(run: RunScalars, tag: str) -> dict[int, float]:
     """``{step: value}`` of one tag."""
     steps, values = run[tag]
     return dict(zip(steps.tolist(), values.tolist(), strict=True))
 
 
-def _against_seen(run: RunScalars, tag: str, seen: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+def against_seen(run: RunScalars, tag: str, seen: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
     """``(seen, values)`` of ``tag``, joined with the units-seen tag on the optimizer step."""
     if tag not in run:
         return np.zeros(0), np.zeros(0)
@@ -202,9 +202,9 @@ def find_batch_changes(run: RunScalars) -> list[BatchChange]:
     unit = run_unit(run)
     if "cbs/accumulation_steps" not in run:
         return []
-    seen = _as_map(run, f"cbs/{unit}_seen")
-    accum = _as_map(run, "cbs/accumulation_steps")
-    dp = _as_map(run, "cbs/dp_degree") if "cbs/dp_degree" in run else {}
+    seen = as_map(run, f"cbs/{unit}_seen")
+    accum = as_map(run, "cbs/accumulation_steps")
+    dp = as_map(run, "cbs/dp_degree") if "cbs/dp_degree" in run else {}
     steps = [s for s in sorted(accum) if s in seen]
     levels = [int(round(accum[s] * dp.get(s, 1.0))) for s in steps]
     changes: list[BatchChange] = []

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
-from cbs_tracker.core.loop import LoopTracker, _refuse_pipeline
+from cbs_tracker.core.loop import LoopTracker, refuse_pipeline
 
 __all__ = ["FSDPTracker", "GradientSync"]
 
@@ -67,7 +67,7 @@ class FSDPTracker(LoopTracker):
         gradient_sync: GradientSync = "last",
         **kwargs: Any,
     ) -> None:
-        _refuse_pipeline(model, "FSDPTracker")
+        refuse_pipeline(model, "FSDPTracker")
         fsdp_module = _fsdp_module_type()
         dtensor = _dtensor_type()
         if not isinstance(model, fsdp_module):
@@ -139,7 +139,7 @@ class FSDPTracker(LoopTracker):
         pass
 
     def _hook_unsharded(self, module: nn.Module, args: Any) -> None:
-        if not self._measure:  # a window not measured needs no hook (the next measured forward hooks them)
+        if not self.engine.measure:  # a window not measured needs no hook (the next measured forward hooks them)
             return
         for p in module.parameters():
             if p.requires_grad and id(p) not in self._sharded_ids:

@@ -13,7 +13,6 @@ epoch start); the step engine does the rest. Facts it relies on: docs/design.md.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import itertools
 import math
@@ -29,11 +28,11 @@ from torch import nn
 
 from cbs_tracker.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core import distributed as cbs_dist
-from cbs_tracker.core.cadence import check_measure_every
-from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
+from cbs_tracker.core.collector import GradStatsCollector, StepStats
+from cbs_tracker.core.engine import Engine, EngineSettings
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.loop import group_cap, join_batches, leading_rows, microbatch_layout
-from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, reduce_window, unscale_and_get_scale
+from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
@@ -145,7 +144,13 @@ class CBSCallback(Callback):
             raise ValueError(f"CBSCallback(unit={unit!r}): must be 'tokens', 'samples' or None")
         if not isinstance(rescale_short_window, bool):
             raise TypeError(f"CBSCallback(rescale_short_window={rescale_short_window!r}): expected True or False")
-        check_measure_every(measure_every, measure_target, owner="CBSCallback")
+        # measure_every and measure_target are checked here, once (the engine is built at fit start)
+        self._settings = EngineSettings(
+            owner="CBSCallback", unit=unit, estimator=estimator if estimator is not None else NoiseScaleEstimator(),
+            controller=controller, lr_coupling=lr_coupling, cap_lr_at_peak=cap_lr_at_peak,
+            warn=_warn_on_rank_zero, measure_every=measure_every,
+            measure_target=measure_target, preconditioner=preconditioner,
+        )
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"CBSCallback(loss_normalization={loss_normalization!r}): must be one of {LOSS_NORMALIZATIONS} "
@@ -174,9 +179,8 @@ class CBSCallback(Callback):
         self.rescale_short_window = rescale_short_window and loss_normalization == "mean"
         self.loss_normalization = loss_normalization
         self.measure_every, self.measure_target = measure_every, measure_target
-        self._measure = True
         self.preconditioner = preconditioner
-        self.estimator = estimator if estimator is not None else NoiseScaleEstimator()
+        self.estimator = self._settings.estimator
         self.process_group = process_group
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
@@ -190,12 +194,11 @@ class CBSCallback(Callback):
         self._loader: CBSDataLoader | None = None
         self._trainer: pl.Trainer | None = None
 
-        self.session: TrackingSession | None = None
-        self.collector: GradStatsCollector | None = None
+        #: the collector, the reduction of each window, the session and their state (built at fit start)
+        self.engine: Engine | None = None
         self._unsynced = False
         self.dp_group: Any | None = None
         self._avg_ranks = 1
-        self._transform: Any = None
         self._params: list[nn.Parameter] = []
         self._epoch_timers: list[ScheduleTimer] = []
         self._micro_size: float | torch.Tensor = 0.0
@@ -209,6 +212,16 @@ class CBSCallback(Callback):
         self._batch_accumulation: int | None = None
 
     # ------------------------------------------------------------------ public state
+    @property
+    def session(self) -> TrackingSession | None:
+        """The engine's session (``None`` before the first fit)."""
+        return None if self.engine is None else self.engine.session
+
+    @property
+    def collector(self) -> GradStatsCollector | None:
+        """The engine's collector while the callback is attached to a fit, else ``None``."""
+        return None if self.engine is None else self.engine.collector
+
     @property
     def state_key(self) -> str:
         if self.name is None:
@@ -317,30 +330,15 @@ class CBSCallback(Callback):
         # DDP averages the gradients over its ranks (Lightning's DDP uses the world).
         self._avg_ranks = trainer.world_size if trainer.world_size > 1 else 1
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        if self.preconditioner == "adam":
-            if optimizer is None:
-                raise RuntimeError("CBSCallback(preconditioner='adam'): the Trainer has no optimizer")
-            self._transform = adam_preconditioner(optimizer)
+        if self.preconditioner == "adam" and optimizer is None:
+            raise RuntimeError("CBSCallback(preconditioner='adam'): the Trainer has no optimizer")
         self._remove_hooks()
-        self.session = TrackingSession(
-            owner="CBSCallback",
-            unit=self.unit,
-            starting_accumulation=int(trainer.accumulate_grad_batches),
-            dp_degree=cbs_dist.group_size(self.dp_group),
-            estimator=self.estimator,
-            controller=self.controller,
-            optimizer=optimizer,
-            lr_coupling=self.lr_coupling,
-            cap_lr_at_peak=self.cap_lr_at_peak,
-            warn=lambda message: rank_zero_warn(message, category=UserWarning),
-            measure_every=self.measure_every,
-            measure_target=self.measure_target,
-        )
+        self.engine = Engine(self._settings, starting_accumulation=int(trainer.accumulate_grad_batches),
+                             dp_degree=cbs_dist.group_size(self.dp_group), optimizer=optimizer)
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("CBSCallback: the LightningModule has no parameter with requires_grad=True")
-        self.collector = GradStatsCollector(self._params, transform=self._transform)
-        self.collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
+        self.engine.collect(self._params)
         # one device, no wrapper: a backward never syncs, so a window's first gradients can be read from .grad
         self._unsynced = isinstance(trainer.strategy, SingleDeviceStrategy)
         self._apply_restored(trainer)
@@ -636,10 +634,10 @@ class CBSCallback(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self.collector is None:
             return
+        assert self.engine is not None
         if self.collector.num_microbatches == 0:
             self._refresh_params(pl_module)
-            if self.session is not None:
-                self._measure = self.session.start_window()
+            self.engine.start_window()
         window, applied = self._window, self._batch_accumulation
         if window is not None and applied is not None:
             if applied != window[1] and loss.requires_grad:
@@ -649,7 +647,7 @@ class CBSCallback(Callback):
             self._window_divisors.add(window[1])
         else:  # Lightning divided this microbatch's loss by the value it read
             self._window_divisors.add(int(trainer.accumulate_grad_batches))
-        self.collector.begin_microbatch(unsynced=self._unsynced, measure=self._measure)
+        self.engine.begin_microbatch(unsynced=self._unsynced)
 
     def _refresh_params(self, pl_module: pl.LightningModule) -> None:
         """At a window's first backward: hook parameters that became trainable (gradual unfreezing)."""
@@ -660,31 +658,27 @@ class CBSCallback(Callback):
         self._params = params
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.collector is not None:
-            self.collector.end_microbatch(self._micro_size)
+        if self.engine is not None and self.collector is not None:
+            self.engine.end_microbatch(self._micro_size)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        session = self.session
-        if self.collector is None or session is None:
+        engine, session = self.engine, self.session
+        if engine is None or self.collector is None or session is None:
             return
         self._stepped = True
         divisors = sorted(self._window_divisors)
         self._window_divisors.clear()
         divisor = divisors[-1] if divisors else int(trainer.accumulate_grad_batches)
         local_k = self.collector.num_microbatches
-        stats, faults = reduce_window(
-            self.collector,
+        stats, faults = engine.reduce(
             self._params,
             dp_group=self.dp_group,
             loss_divisor=float(divisor),
             normalization=self.loss_normalization,
             avg_ranks=self._avg_ranks,
             scale=self._loss_scale(trainer, optimizer),
-            transform=self._transform,
-            measured=self._measure,
-            proposed_every=session.cadence.proposal(),
         )
         if len(divisors) > 1:
             stats = dataclasses.replace(stats, finite=False)  # mixed 1/A factors: not measurable
@@ -693,12 +687,11 @@ class CBSCallback(Callback):
                 f"(values {divisors}); the step is not measured. Only CBSCallback should change it.",
                 category=UserWarning,
             )
-        self.collector.reset_window()
         if self.rescale_short_window and 0 < local_k < divisor:
             grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, divisor / local_k)
-        record = session.finish_step(
+        record = engine.finish_step(
             stats, faults, window_accumulation=divisor, estimate_allowed=len(divisors) <= 1,
             lr=float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else None,
         )
@@ -803,11 +796,8 @@ class CBSCallback(Callback):
             self._trainer = None
 
     def _remove_hooks(self) -> None:
-        if self.collector is not None:
-            self.collector.remove()
-            self.collector = None
-        if self.session is not None:
-            self.session.detach_scheduler()
+        if self.engine is not None:
+            self.engine.remove()
         for timer in self._epoch_timers:
             timer.detach()
         self._epoch_timers.clear()
@@ -818,15 +808,9 @@ class CBSCallback(Callback):
         if self.session is None:
             if self._restored is not None:
                 return dict(self._restored)
-            return self._scratch_session(1).state_dict()
-        return self.session.state_dict()
-
-    def _scratch_session(self, dp_degree: int) -> TrackingSession:
-        """A session on copies of the estimator and controller (state checks before ``fit``)."""
-        return TrackingSession(
-            owner="CBSCallback", unit=self.unit, starting_accumulation=1, dp_degree=dp_degree,
-            estimator=copy.deepcopy(self.estimator), controller=copy.deepcopy(self.controller),
-        )
+            return self._settings.scratch_session(1).state_dict()
+        assert self.engine is not None
+        return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ``trainer.accumulate_grad_batches`` is set at train start.
@@ -844,14 +828,19 @@ class CBSCallback(Callback):
                 f"CBSCallback.load_state_dict: the checkpoint counts {state_dict.get('unit')} but this callback "
                 f"counts {self.unit} (unit={self.unit!r}); the noise scale and batch sizes would mix units"
             )
-        if self.session is not None:
-            self.session.load_state_dict(state_dict)
+        if self.engine is not None:
+            self.engine.load_state_dict(state_dict)
             return
         # before fit: check everything now (on copies); the data-parallel degree is checked at fit
         dp = state_dict.get("dp_degree", 1)
         dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else 1
-        self._scratch_session(dp).load_state_dict(dict(state_dict))
+        self._settings.scratch_session(dp).load_state_dict(dict(state_dict))
         self._restored = dict(state_dict)
+
+
+def _warn_on_rank_zero(message: str) -> None:
+    """The session's warnings, once, from rank zero (a function: the callback is pickled to spawned ranks)."""
+    rank_zero_warn(message, category=UserWarning)
 
 
 def _check_logging_and_lr_options(*, prog_bar: Any, name: Any, lr_coupling: Any, cap_lr_at_peak: Any,

@@ -21,7 +21,6 @@ group's ``initial_lr``, the base OLMo-core's scheduler multiplies, as OLMo-core'
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from typing import Any
@@ -31,14 +30,14 @@ from olmo_core.train.callbacks import Callback
 from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
-from cbs_tracker.core.cadence import check_measure_every
 from cbs_tracker.core.collector import GradStatsCollector
+from cbs_tracker.core.engine import Engine, EngineSettings
 from cbs_tracker.core.estimator import NoiseScaleEstimator
-from cbs_tracker.core.measure import WindowFaults, reduce_window
+from cbs_tracker.core.measure import WindowFaults
 from cbs_tracker.core.record import StepRecord
 from cbs_tracker.core.session import TrackingSession
 from cbs_tracker.core.tags import record_scalars
-from cbs_tracker.policy.lr import _ADAPTIVE, _SGD, COUPLINGS, coupling_factor
+from cbs_tracker.policy.lr import ADAPTIVE_OPTIMIZERS, COUPLINGS, SGD_OPTIMIZERS, coupling_factor
 
 __all__ = ["CBSOlmoCallback"]
 
@@ -110,14 +109,19 @@ class CBSOlmoCallback(Callback):
                 f"{owner}(estimator={getattr(estimator, '__name__', type(estimator).__name__)}): expected a "
                 "NoiseScaleEstimator or None"
             )
-        check_measure_every(measure_every, measure_target, owner=owner)
+        # measure_every and measure_target are checked here, once (the engine is built when attached)
+        self._settings = EngineSettings(
+            owner=owner, unit="tokens", estimator=estimator if estimator is not None else NoiseScaleEstimator(),
+            controller=controller, lr_coupling=lr_coupling, warn=_log_warning,
+            measure_every=measure_every, measure_target=measure_target,
+        )
         self.controller = controller
         self.observe_only = observe_only
         self.lr_coupling = lr_coupling
-        self.estimator = estimator if estimator is not None else NoiseScaleEstimator()
+        self.estimator = self._settings.estimator
         self.measure_every, self.measure_target = measure_every, measure_target
-        self.session: TrackingSession | None = None
-        self.collector: GradStatsCollector | None = None
+        #: the collector, the reduction of each window, the session and their state (built when attached)
+        self.engine: Engine | None = None
         #: ``(step, global batch in tokens)`` of every batch change the callback made
         self.applied_changes: list[tuple[int, int]] = []
         self._restored: dict[str, Any] | None = None
@@ -131,13 +135,22 @@ class CBSOlmoCallback(Callback):
         self._open = False  # a microbatch's backward is being recorded
         self._size: Any = None
         self._divisor: Any = None
-        self._measure = True
         self._window: tuple[Any, WindowFaults, int] | None = None
         self._warned_divide: set[int] = set()
         self._warned_stop = False
         self._warned_steps = False
 
     # ------------------------------------------------------------------ properties
+    @property
+    def session(self) -> TrackingSession | None:
+        """The engine's session (``None`` until the callback is attached)."""
+        return None if self.engine is None else self.engine.session
+
+    @property
+    def collector(self) -> GradStatsCollector | None:
+        """The engine's collector while the hooks are on the model, else ``None``."""
+        return None if self.engine is None else self.engine.collector
+
     @property
     def last_record(self) -> StepRecord | None:
         return None if self.session is None else self.session.last_record
@@ -170,12 +183,7 @@ class CBSOlmoCallback(Callback):
         self._check_plan(start, slot)
         if self.session is not None:
             self._remove_hooks()
-        self.session = TrackingSession(
-            owner="CBSOlmoCallback", unit="tokens", starting_accumulation=start // slot, dp_degree=dp,
-            estimator=self.estimator, controller=self.controller, optimizer=optim,
-            lr_coupling=self.lr_coupling, warn=lambda message: log.warning(message),
-            measure_every=self.measure_every, measure_target=self.measure_target,
-        )
+        self.engine = Engine(self._settings, starting_accumulation=start // slot, dp_degree=dp, optimizer=optim)
         self._base_lrs = [float(g.get("initial_lr") or g["lr"]) for g in optim.param_groups]
         self._give_run_length(trainer, start)
         self._attach_hooks(module.model)
@@ -199,9 +207,9 @@ class CBSOlmoCallback(Callback):
         duration = trainer.max_duration
         unit = str(duration.unit).split(".")[-1]
         if unit == "tokens":
-            self.session.set_run_length(steps=math.ceil(int(duration.value) / start))  # type: ignore[union-attr]
+            self.engine.session.set_run_length(steps=math.ceil(int(duration.value) / start))  # type: ignore[union-attr]
         elif unit == "steps":
-            self.session.set_run_length(steps=int(duration.value))  # type: ignore[union-attr]
+            self.engine.session.set_run_length(steps=int(duration.value))  # type: ignore[union-attr]
 
     def _show_on_console(self, trainer: Any) -> None:
         """Add :data:`CONSOLE_METRICS` to OLMo-core's ``ConsoleLoggerCallback``, which prints only the metrics
@@ -240,7 +248,7 @@ class CBSOlmoCallback(Callback):
             mode = self.controller.lr_scaling  # an explicit controller setting wins over "auto"
         if mode == "auto":
             names = {cls.__name__ for cls in type(optim).__mro__}
-            if not names & (_ADAPTIVE | _SGD | _OLMO_ADAPTIVE):
+            if not names & (ADAPTIVE_OPTIMIZERS | SGD_OPTIMIZERS | _OLMO_ADAPTIVE):
                 raise ValueError(
                     f"CBSOlmoCallback(lr_coupling='auto'): the optimizer {type(optim).__name__} is not one the "
                     "coupling knows (Adam-family: LR x sqrt(B/B0); SGD: x B/B0). Pass lr_coupling='sqrt', "
@@ -331,29 +339,28 @@ class CBSOlmoCallback(Callback):
             # FSDP2: the microbatch gradients arrive on the unsharded parameters it gathers for the
             # forward (hooked after its own forward-pre-hook); .grad holds the reduce-scattered shard
             self._sharded_ids = {id(p) for p in trainable}
-            self.collector = GradStatsCollector([], register=False)
+            self.engine.collect([], register=False)  # type: ignore[union-attr]
             for m in model.modules():
                 if isinstance(m, FSDPModule):
                     self._handles.append(m.register_forward_pre_hook(self._hook_unsharded))
         else:
-            self.collector = GradStatsCollector(trainable)
-        self.collector.timed = self.session.cadence.auto if self.session is not None else False
+            self.engine.collect(trainable)  # type: ignore[union-attr]
         self._handles.append(model.register_forward_pre_hook(self._microbatch_starts, with_kwargs=True))
 
     def _hook_unsharded(self, module: nn.Module, args: Any) -> None:
-        if not (self._in_step and self._measure) or self.collector is None:
+        engine = self.engine
+        if engine is None or not (self._in_step and engine.measure) or engine.collector is None:
             return
         for p in module.parameters():
             if p.requires_grad and id(p) not in self._sharded_ids:
-                self.collector.hook(p)  # once per object
+                engine.collector.hook(p)  # once per object
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self.collector is not None:
-            self.collector.remove()
-            self.collector = None
+        if self.engine is not None:
+            self.engine.remove()
 
     # ------------------------------------------------------------------ microbatches
     def _microbatch_starts(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -370,13 +377,13 @@ class CBSOlmoCallback(Callback):
         ignore = kwargs.get("ignore_index", self.trainer.train_module.label_ignore_index)
         self._size = labels.ne(ignore).sum()
         self._divisor = kwargs.get("loss_div_factor")
-        self.collector.begin_microbatch(unsynced=not cbs_dist.is_distributed(), measure=self._measure)
+        self.engine.begin_microbatch(unsynced=not cbs_dist.is_distributed())  # type: ignore[union-attr]
         self._open = True
 
     def _end_microbatch(self) -> None:
-        if self._open and self.collector is not None:
+        if self._open and self.engine is not None and self.engine.collector is not None:
             self._open = False
-            self.collector.end_microbatch(self._size)
+            self.engine.end_microbatch(self._size)
 
     # ------------------------------------------------------------------ the step
     def pre_load_batch(self) -> None:
@@ -419,28 +426,27 @@ class CBSOlmoCallback(Callback):
         )
 
     def pre_step(self, batch: dict[str, Any]) -> None:
-        session = self.session
-        if session is None or self.collector is None:
+        engine = self.engine
+        if engine is None or engine.collector is None:
             return
-        if self.collector.num_microbatches:
-            self.collector.reset_window()  # a step that never reached its optimizer step
-        self._measure = session.start_window()
+        if engine.collector.num_microbatches:
+            engine.collector.reset_window()  # a step that never reached its optimizer step
+        engine.start_window()
         self._in_step = True
         self._window = None
 
     def pre_optim_step(self) -> None:
-        session, collector = self.session, self.collector
-        if session is None or collector is None or not self._in_step:
+        engine = self.engine
+        if engine is None or engine.collector is None or not self._in_step:
             return
+        session = engine.session
         self._end_microbatch()
         self._in_step = False
-        stats, faults = reduce_window(
-            collector, self._big_params, dp_group=self._dp_group, loss_divisor=1.0,
-            avg_ranks=session.dp_degree, big_norm_is_sharded=self._sharded,
-            expected_microbatches=session.accumulation_steps, normalization="window",
-            units_divisor=self._divisor, measured=self._measure, proposed_every=session.cadence.proposal(),
+        stats, faults = engine.reduce(
+            self._big_params, dp_group=self._dp_group, loss_divisor=1.0, avg_ranks=session.dp_degree,
+            big_norm_is_sharded=self._sharded, expected_microbatches=session.accumulation_steps,
+            normalization="window", units_divisor=self._divisor,
         )
-        collector.reset_window()
         self._window = (stats, faults, session.accumulation_steps)
 
     def post_train_batch(self) -> None:
@@ -452,7 +458,7 @@ class CBSOlmoCallback(Callback):
         stats, faults, acc = window
         groups = self.trainer.train_module.optim.param_groups
         lr = float(groups[0]["lr"]) if groups else None
-        record = session.finish_step(stats, faults, window_accumulation=acc, lr=lr)
+        record = self.engine.finish_step(stats, faults, window_accumulation=acc, lr=lr)  # type: ignore[union-attr]
         if session.changed_this_step:
             log.info(
                 f"CBSOlmoCallback step {self.trainer.global_step}: {acc} -> {session.pending_accumulation} "
@@ -511,9 +517,9 @@ class CBSOlmoCallback(Callback):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The engine's state (small, plain numbers, versioned); OLMo-core does not save the batch size."""
-        if self.session is None:
+        if self.engine is None:
             return dict(self._restored) if self._restored is not None else {}
-        return {"version": STATE_VERSION, "session": self.session.state_dict(),
+        return {"version": STATE_VERSION, "session": self.engine.state_dict(),
                 "applied_changes": [list(c) for c in self.applied_changes]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -531,15 +537,12 @@ class CBSOlmoCallback(Callback):
                 f"CBSOlmoCallback.load_state_dict: expected the dict from state_dict() (version {STATE_VERSION}), "
                 f"got version {version!r}"
             )
-        if self.session is None:
-            TrackingSession(  # check it now, on copies
-                owner="CBSOlmoCallback", unit="tokens", starting_accumulation=1,
-                dp_degree=int(state_dict["session"].get("dp_degree", 1)),
-                estimator=copy.deepcopy(self.estimator), controller=copy.deepcopy(self.controller),
-            ).load_state_dict(dict(state_dict["session"]))
+        if self.engine is None:  # check it now, on copies
+            dp = int(state_dict["session"].get("dp_degree", 1))
+            self._settings.scratch_session(dp).load_state_dict(dict(state_dict["session"]))
             self._restored = dict(state_dict)
             return
-        self.session.load_state_dict(dict(state_dict["session"]))
+        self.engine.load_state_dict(dict(state_dict["session"]))
         self.applied_changes = [(int(s), int(b)) for s, b in state_dict.get("applied_changes", [])]
         self._reapply()
 
@@ -607,6 +610,11 @@ class CBSOlmoCallback(Callback):
     def close(self) -> None:
         self._in_step = False
         self._open = False
+
+
+def _log_warning(message: str) -> None:
+    """The session's warnings, to this module's logger (a function: the callback stays picklable)."""
+    log.warning(message)
 
 
 def _backend_for(backend: str, device: torch.device) -> str:

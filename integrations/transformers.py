@@ -21,10 +21,10 @@ from transformers import Trainer, TrainerCallback
 
 from cbs_tracker.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core import distributed as cbs_dist
-from cbs_tracker.core.cadence import check_measure_every
-from cbs_tracker.core.collector import GradStatsCollector, adam_preconditioner
+from cbs_tracker.core.collector import GradStatsCollector
+from cbs_tracker.core.engine import Engine, EngineSettings
 from cbs_tracker.core.estimator import NoiseScaleEstimator
-from cbs_tracker.core.measure import loss_scale, reduce_window
+from cbs_tracker.core.measure import loss_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
@@ -161,7 +161,12 @@ class CBSTrainer(Trainer):
             raise ValueError(f"CBSTrainer(lr_coupling={lr_coupling!r}): expected one of {list(COUPLINGS)} or None")
         if cap_lr_at_peak is not None and not isinstance(cap_lr_at_peak, bool):
             raise TypeError(f"CBSTrainer(cap_lr_at_peak={cap_lr_at_peak!r}): expected True, False or None")
-        check_measure_every(measure_every, measure_target, owner="CBSTrainer")
+        # measure_every and measure_target are checked here, once (the engine is built with the scheduler)
+        self._settings = EngineSettings(
+            owner="CBSTrainer", unit=unit, estimator=estimator if estimator is not None else NoiseScaleEstimator(),
+            controller=controller, lr_coupling=lr_coupling, cap_lr_at_peak=cap_lr_at_peak, warn=self._warn,
+            measure_every=measure_every, measure_target=measure_target, preconditioner=preconditioner,
+        )
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if getattr(training_args, "deepspeed", None):
             raise ValueError(
@@ -182,17 +187,16 @@ class CBSTrainer(Trainer):
         self.batch_size_fn = batch_size_fn
         self.ignore_index = ignore_index
         self.shift_labels = shift_labels
-        self.estimator = estimator if estimator is not None else NoiseScaleEstimator()
+        self.estimator = self._settings.estimator
         self.preconditioner = preconditioner
         self.lr_coupling = lr_coupling
         self.cap_lr_at_peak = cap_lr_at_peak
         self.measure_every, self.measure_target = measure_every, measure_target
-        self._measure = True
         self._check_configuration()
 
-        self.session: TrackingSession | None = None
+        #: the collector, the reduction of each window, the session and their state (built with the scheduler)
+        self.engine: Engine | None = None
         self.applied_changes: list[tuple[int, int, int, int]] = []  # (step, epoch, microbatch in epoch, new A)
-        self._collector: GradStatsCollector | None = None
         self._unsynced = False
         self._params: list[nn.Parameter] = []
         self._restored: dict[str, Any] | None = None
@@ -215,6 +219,15 @@ class CBSTrainer(Trainer):
         self._resume_start: int | float | None = None
 
     # ------------------------------------------------------------------ public state
+    @property
+    def session(self) -> TrackingSession | None:
+        """The engine's session (``None`` before the first ``train``)."""
+        return None if self.engine is None else self.engine.session
+
+    @property
+    def _collector(self) -> GradStatsCollector | None:
+        return None if self.engine is None else self.engine.collector
+
     @property
     def noise_scale(self) -> float | None:
         """Smoothed ``B_simple`` in :attr:`unit`; ``None`` until measurable."""
@@ -290,11 +303,8 @@ class CBSTrainer(Trainer):
             # the caller's TrainingArguments keep the starting accumulation
             self.args.gradient_accumulation_steps = self._starting_accumulation
             self._iterator = None
-            if self._collector is not None:
-                self._collector.remove()
-                self._collector = None
-            if self.session is not None:
-                self.session.detach_scheduler()
+            if self.engine is not None:
+                self.engine.remove()
 
     def _peek_start(self, resume: Any) -> int | float | None:
         """The checkpoint's starting accumulation per rank on this run's ranks, where it is not the command line's.
@@ -425,30 +435,23 @@ class CBSTrainer(Trainer):
     def _start_session(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         dp_group = cbs_dist.resolve_dp_group(None)
         self._run_length_given = False
-        self.session = TrackingSession(
-            owner="CBSTrainer", unit=self.unit, starting_accumulation=self._starting_accumulation,
-            dp_degree=cbs_dist.group_size(dp_group), estimator=self.estimator, controller=self.controller,
-            optimizer=optimizer, lr_coupling=self.lr_coupling, cap_lr_at_peak=self.cap_lr_at_peak,
-            warn=self._warn, measure_every=self.measure_every, measure_target=self.measure_target,
-        )
+        if self.engine is not None:
+            self.engine.remove()  # a run before this one's
+        self.engine = engine = Engine(self._settings, starting_accumulation=self._starting_accumulation,
+                                      dp_degree=cbs_dist.group_size(dp_group), optimizer=optimizer)
         if self._restored is not None:
-            self.session.load_state_dict(self._restored)
+            engine.load_state_dict(self._restored)
             self._restored = None
         if scheduler is not None:
-            self.session.attach_scheduler(scheduler)
-        self.args.gradient_accumulation_steps = self.session.accumulation_steps
-        transform = adam_preconditioner(optimizer) if self.preconditioner == "adam" else None
+            engine.session.attach_scheduler(scheduler)
+        self.args.gradient_accumulation_steps = engine.session.accumulation_steps
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("CBSTrainer: the model has no parameter with requires_grad=True")
-        if self._collector is not None:
-            self._collector.remove()
-        self._collector = GradStatsCollector(self._params, transform=transform)
-        self._collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
+        engine.collect(self._params)
         # one process (FSDP and DeepSpeed are refused): a backward never syncs, so a window's
         # first gradients are read from .grad
         self._unsynced = cbs_dist.group_size(dp_group) == 1
-        self._transform = transform
         self._avg_ranks = cbs_dist.group_size(dp_group)  # DDP averages over all ranks
         if self._steps_in_epoch is not None and self._can_grow():
             self.session.limit_to_epoch(self._steps_in_epoch, "microbatches per rank")
@@ -478,7 +481,7 @@ class CBSTrainer(Trainer):
         setting = self._next_window()
         batches, num_items = super().get_batch_samples(epoch_iterator, setting, device)
         self._window = [self._count(inputs) for inputs in batches]
-        self._measure = self.session.start_window()
+        self.engine.start_window()  # type: ignore[union-attr]
         self._window_index = 0
         self._window_setting = setting
         self._epoch_pos += len(batches)
@@ -592,21 +595,21 @@ class CBSTrainer(Trainer):
 
     # ------------------------------------------------------------------ microbatches and steps
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        collector = self._collector
-        if collector is None or self._window_index >= len(self._window):
+        engine = self.engine
+        if engine is None or engine.collector is None or self._window_index >= len(self._window):
             return super().training_step(model, inputs, num_items_in_batch)
         size = self._window[self._window_index]
-        collector.begin_microbatch(unsynced=self._unsynced, measure=self._measure)
+        engine.begin_microbatch(unsynced=self._unsynced)
         loss = super().training_step(model, inputs, num_items_in_batch)
-        collector.end_microbatch(size)
+        engine.end_microbatch(size)
         self._window_index += 1
         if self._window_index == len(self._window):
             self._finish_window()  # the last backward of the window ran: gradients synced, not clipped
         return loss
 
     def _finish_window(self) -> None:
-        session, collector = self.session, self._collector
-        assert session is not None and collector is not None
+        engine, session = self.engine, self.session
+        assert engine is not None and session is not None and engine.collector is not None
         k = len(self._window)
         # The Trainer divides a mean loss by K, or each microbatch's unit-sum loss by D = N / c
         # (then h_k = (b_k / D) g_k: each microbatch weighted by its units).
@@ -620,13 +623,11 @@ class CBSTrainer(Trainer):
             # not unscaled yet (the Trainer unscales when it clips): the loss scale S is in the
             # hooked gradients and in .grad alike, removed from both (read without a host sync)
             scale = loss_scale(scaler)
-        stats, faults = reduce_window(
-            collector, self._params, dp_group=None, avg_ranks=self._avg_ranks, transform=self._transform,
-            expected_microbatches=k, scale=scale, big_is_scaled=scale is not None, measured=self._measure,
-            proposed_every=session.cadence.proposal(), **norm,
+        stats, faults = engine.reduce(
+            self._params, dp_group=None, avg_ranks=self._avg_ranks, expected_microbatches=k, scale=scale,
+            big_is_scaled=scale is not None, **norm,
         )
-        collector.reset_window()
-        session.finish_step(stats, faults, window_accumulation=self._window_setting, mismatch_is_fatal=True)
+        engine.finish_step(stats, faults, window_accumulation=self._window_setting, mismatch_is_fatal=True)
         if session.changed_this_step:
             self.control.should_log = True  # write the step of a change whatever logging_steps says
         if self.state.max_steps > 0 and session.starting_batch_steps >= self.state.max_steps:
@@ -659,13 +660,13 @@ class CBSTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.session is None or not self.args.should_save:
+        if self.engine is None or not self.args.should_save:
             return
         epoch, pos = self._epoch, self._epoch_pos
         if self._steps_in_epoch is not None and pos >= self._steps_in_epoch:
             epoch, pos = epoch + 1, 0
         state = {"version": _STATE_VERSION, "epoch": epoch, "microbatches_in_epoch": pos,
-                 "gradient_accumulation_steps": self._starting_accumulation, "session": self.session.state_dict()}
+                 "gradient_accumulation_steps": self._starting_accumulation, "session": self.engine.state_dict()}
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, STATE_FILE), "w") as f:
             json.dump(state, f, allow_nan=True)

@@ -126,7 +126,7 @@ class FakeClock:
         return self.now
 
     def work(self, tracker) -> None:
-        self.now += MICRO * (1.0 + (self.hidden if tracker._measure else 0.0))
+        self.now += MICRO * (1.0 + (self.hidden if tracker.engine.measure else 0.0))
 
 
 @pytest.mark.parametrize("extra, hidden, want", [

@@ -13,6 +13,7 @@ from torch import nn
 
 from cbs_tracker import BatchSizeController, CBSTracker, NoiseScaleEstimator
 from cbs_tracker.core import cadence as cadence_module
+from cbs_tracker.core import engine as engine_module
 from cbs_tracker.core import loop as loop_module
 from cbs_tracker.core import session as session_module
 from cbs_tracker.core.loop import LoopTracker
@@ -88,7 +89,7 @@ def _loop(steps, every, clock, rewind, controller, size, normalization, batch=_b
                                                    reduction="sum") / max(int((y != -100).sum()), 1)
                 (loss / tracker.accumulation_steps).backward()
             if clock is not None:
-                clock.now += 1.0 + (0.05 if tracker._measure else 0.0)
+                clock.now += 1.0 + (0.05 if tracker.engine.measure else 0.0)
         records.append(tracker.step())
         opt.step()
         sched.step()
@@ -148,13 +149,13 @@ def test_counted_windows_of_equal_sizes_reuse_the_stats_and_give_the_general_pat
     if clock is not None:
         monkeypatch.setattr(session_module.time, "perf_counter", clock)
     calls = [0]
-    real = loop_module.count_sizes
+    real = engine_module.count_sizes
 
     def counting(*a, **k):
         calls[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(loop_module, "count_sizes", counting)
+    monkeypatch.setattr(engine_module, "count_sizes", counting)
     short_windows = (16, 17)
     runs, said = [], []
     for short_path in (True, False):

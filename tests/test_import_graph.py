@@ -197,3 +197,34 @@ def test_torch_distributed_is_named_only_where_design_md_says():
     said = _listed("is named by")
     named = sorted(m for m, p in MODULES.items() if _torch_imports(p)[1])
     assert named == sorted(said)
+
+
+# ------------------------------------------------------------------ one engine under every adapter
+#: the modules that wire the engine into a framework's events (the plain loop's base, under the plain,
+#: FSDP2 and Accelerate adapters; Lightning; the HF Trainer; OLMo-core)
+ADAPTERS = ("cbs_tracker.core.loop", "cbs_tracker.integrations.lightning", "cbs_tracker.integrations.transformers",
+            "cbs_tracker.integrations.olmo_core")
+#: the engine's parts, which only ``cbs_tracker.core.engine`` builds or calls
+ENGINE_PARTS = {"GradStatsCollector", "TrackingSession", "reduce_window", "count_sizes"}
+
+
+def called_names(path: Path) -> set[str]:
+    """The names ``path`` calls: ``f(...)`` and ``x.f(...)`` both give ``f``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            out.add(func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "")
+    return out
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_each_adapter_builds_the_engine(adapter):
+    assert "Engine" in called_names(MODULES[adapter])
+
+
+def test_only_the_engine_builds_the_collector_and_the_session_and_reduces_a_window():
+    """docs/design.md ("Adapt"): an adapter constructs the engine and calls it; none wires its parts by hand."""
+    wired = sorted(f"{m}: {n}" for m, p in MODULES.items() if m != "cbs_tracker.core.engine"
+                   for n in called_names(p) & ENGINE_PARTS)
+    assert wired == []

@@ -261,7 +261,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return orig if isinstance(orig, torch.nn.Module) else model
 
 
-def _branch_copy(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def branch_copy(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  make_optimizer: Callable[[Iterable[Any]], torch.optim.Optimizer] | None
                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A deep copy of the model and of the optimizer's state, sharing no tensor with the run.
@@ -779,7 +779,7 @@ def measure_critical_batch(
 
     def branch(m: float, lr_mult: float, replicate: int) -> float:
         fuse = math.gcd(accum[m], fuse_microbatches)
-        b_model, b_opt = _branch_copy(model, optimizer, make_optimizer)
+        b_model, b_opt = branch_copy(model, optimizer, make_optimizer)
         torch.manual_seed(seed + replicate)
         _run_branch(b_model, b_opt, loss_fn=loss_fn, microbatches=iter(data(replicate)), steps=steps_of[m],
                     accumulation=accum[m], fuse=fuse, lr_at=lr_factor_at(m, lr_mult), base_lrs=base_lrs,
@@ -791,7 +791,7 @@ def measure_critical_batch(
     top_factor = coupling_factor(coupling, max(mults))
     total = 0.0
     with _rng_preserved():
-        eval_copy, eval_opt = _branch_copy(model, optimizer, make_optimizer)
+        eval_copy, eval_opt = branch_copy(model, optimizer, make_optimizer)
         frozen = None
         if frozen_microbatches:  # before evaluate, which may leave the copy in eval mode
             frozen = frozen_noise_scale(eval_copy, eval_opt, loss_fn=loss_fn, microbatches=iter(data(replicates)),

@@ -77,7 +77,7 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
     import torch
 
     from cbs_tracker.calibrate import Calibration, frozen_noise_scale, measure_critical_batch
-    from cbs_tracker.calibrate.branches import _branch_copy
+    from cbs_tracker.calibrate.branches import branch_copy
     from cbs_tracker.demo.corpus import SequenceStream, evaluate, load_corpus, load_docstrings
     from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
     from cbs_tracker.integrations.plain import CBSTracker
@@ -119,7 +119,7 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
         pending.pop(0)
         ns = "-" if record.noise_scale is None else f"{record.noise_scale:,.0f}"
         if frozen_only:
-            copy_model, copy_opt = _branch_copy(model, optimizer, None)
+            copy_model, copy_opt = branch_copy(model, optimizer, None)
             frozen.append((record.tokens_seen, frozen_noise_scale(
                 copy_model, copy_opt, loss_fn=lambda m, b: m(*b)[1], microbatches=iter(data(c.replicates)),
                 microbatch_size=micro_tokens, count=32)))

@@ -19,8 +19,8 @@ import numpy as np
 from cbs_tracker.runlog import (  # re-exported: scripts import them from here
     BatchChange,
     RunScalars,
-    _against_seen,
-    _as_map,
+    against_seen,
+    as_map,
     change_indices,
     find_batch_changes,
     read_cbs_scalars,
@@ -57,8 +57,8 @@ def noise_scale_band(
     """
     if "cbs/noise_scale_low" not in run or "cbs/noise_scale_high" not in run:
         return None
-    low_map = _as_map(run, "cbs/noise_scale_low")
-    high_map = _as_map(run, "cbs/noise_scale_high")
+    low_map = as_map(run, "cbs/noise_scale_low")
+    high_map = as_map(run, "cbs/noise_scale_high")
     steps = [s for s in sorted(low_map) if s in high_map and s in seen]
     if not steps:
         return None
@@ -122,21 +122,21 @@ def draw_schedule(
     several = len(runs) > 1
     for color, (name, run) in zip(colors, runs.items(), strict=True):
         prefix = f"{name}: " if several else ""
-        seen = _as_map(run, f"cbs/{unit}_seen")
-        x, y = _positive(*_against_seen(run, f"cbs/global_batch_{unit}", seen))
+        seen = as_map(run, f"cbs/{unit}_seen")
+        x, y = _positive(*against_seen(run, f"cbs/global_batch_{unit}", seen))
         if x.size:
             # Step i consumed the units (seen[i] - batch[i], seen[i]]: draw each
             # batch from where its step started, up to the last point.
             ax.plot(np.append(x - y, x[-1]), np.append(y, y[-1]), drawstyle="steps-post",
                     color=color, lw=3, alpha=0.35, label=f"{prefix}global batch")
-        x, y = _positive(*_against_seen(run, "cbs/noise_scale", seen))
+        x, y = _positive(*against_seen(run, "cbs/noise_scale", seen))
         if x.size:
             ax.plot(x, y, color=color, lw=1.5, label=f"{prefix}noise scale B_simple")
         band = noise_scale_band(run, seen)
         if band is not None:
             ax.fill_between(*band, color=color, alpha=0.18, lw=0, gid="noise-scale-band",
                             label=f"{prefix}90% interval of B_simple")
-        x, y = _positive(*_against_seen(run, "cbs/critical_batch", seen))
+        x, y = _positive(*against_seen(run, "cbs/critical_batch", seen))
         if x.size:
             ax.plot(x, y, color=color, lw=1.2, ls="--", label=f"{prefix}critical batch (target)")
         for change in find_batch_changes(run):

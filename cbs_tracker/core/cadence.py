@@ -44,7 +44,11 @@ _MEMORY = 16
 
 
 def check_measure_every(value: Any, target: Any, *, owner: str) -> None:
-    """Raise a clear error for a bad ``measure_every`` or ``measure_target``."""
+    """Raise a clear error for a bad ``measure_every`` or ``measure_target``.
+
+    Called once, where an adapter is built (:class:`~cbs_tracker.core.engine.EngineSettings`);
+    :class:`MeasureCadence` takes the values as checked there.
+    """
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{owner}(measure_every={value!r}): must be an integer >= 1 or 'auto'")
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
@@ -57,10 +61,11 @@ class MeasureCadence:
     Args:
         measure_every: ``n >= 1`` (measure one window in ``n``) or ``"auto"``.
         target: with ``"auto"``, the largest share of the step time the tracker may take.
+
+    Both as checked by :func:`check_measure_every`, where the adapter was built.
     """
 
-    def __init__(self, measure_every: int | str = 1, target: float = 0.01, *, owner: str = "CBSTracker") -> None:
-        check_measure_every(measure_every, target, owner=owner)
+    def __init__(self, measure_every: int | str = 1, target: float = 0.01) -> None:
         self.auto = measure_every == "auto"
         self.target = float(target)
         self.every = 1 if self.auto else int(measure_every)

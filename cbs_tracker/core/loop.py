@@ -22,23 +22,13 @@ import torch
 from torch import nn
 
 from cbs_tracker.core import distributed as cbs_dist
-from cbs_tracker.core.collector import (
-    GradStatsCollector,
-    LabelCount,
-    StepStats,
-    adam_preconditioner,
-)
-from cbs_tracker.core.measure import (
-    LOSS_NORMALIZATIONS,
-    WindowFaults,
-    count_sizes,
-    reduce_window,
-    unscale_and_get_scale,
-)
+from cbs_tracker.core.collector import GradStatsCollector, LabelCount, StepStats
+from cbs_tracker.core.engine import Engine, EngineSettings
+from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 
-__all__ = ["AUTO_MEMORY_FRACTION", "LoopTracker"]
+__all__ = ["AUTO_MEMORY_FRACTION", "LoopTracker", "refuse_pipeline"]
 
 #: ``max_microbatch="auto"`` keeps the predicted peak at or below this share of the device memory
 AUTO_MEMORY_FRACTION = 0.85
@@ -150,7 +140,7 @@ class LoopTracker:
         max_microbatch: int | None = None,
     ) -> None:
         name = type(self).__name__
-        _refuse_pipeline(model, name)
+        refuse_pipeline(model, name)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{name}(model={type(model).__name__}): expected a torch.nn.Module")
         if optimizer is not None and not hasattr(optimizer, "param_groups"):
@@ -194,34 +184,25 @@ class LoopTracker:
         self._restarted = False
         self.dp_group = cbs_dist.resolve_dp_group(process_group, device_mesh, mesh_dim)
         dp_degree = cbs_dist.group_size(self.dp_group)
-        self.session = TrackingSession(
-            owner=name,
-            unit=unit,
-            starting_accumulation=accumulation_steps,
-            dp_degree=dp_degree,
-            estimator=estimator,
-            controller=controller,
-            optimizer=optimizer,
-            lr_coupling=lr_coupling,
-            cap_lr_at_peak=cap_lr_at_peak,
-            logger=logger,
-            measure_every=measure_every,
-            measure_target=measure_target,
+        settings = EngineSettings(
+            owner=name, unit=unit, estimator=estimator, controller=controller, lr_coupling=lr_coupling,
+            cap_lr_at_peak=cap_lr_at_peak, logger=logger, measure_every=measure_every,
+            measure_target=measure_target, preconditioner=preconditioner,
         )
+        #: the collector, the reduction of each window, the session and their state
+        self.engine = Engine(settings, starting_accumulation=accumulation_steps, dp_degree=dp_degree,
+                             optimizer=optimizer)
         self.session.detect_outside_lr = optimizer is not None
         self._module = self._unwrap(model)
         self._all_params: list[nn.Parameter] = list(self._module.parameters())
         self._avg_ranks = self._averaging_ranks(grads_averaged_over_ranks)
-        self._transform = adam_preconditioner(optimizer) if preconditioner == "adam" else None
-        self.collector = GradStatsCollector([], transform=self._transform, register=False)
-        self.collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
+        self.engine.collect([], register=False)  # hooked below, and at each measured window's start
         self._window_params: list[nn.Parameter] = []
         self._register_hooks()
         if lr_scheduler is not None:
             self.session.attach_scheduler(lr_scheduler)
         self._window_index = 0
         self._window_divisor = self.session.accumulation_steps
-        self._measure = True  # the current window is measured (the cadence decides at its start)
         self._counting = False  # ... and if not, its microbatches are only counted (_CountedMicrobatch)
         self._lean = False  # ... and its step() is _step_counted
         self._counted = _CountedMicrobatch(self)  # the one context of a counted microbatch, reused
@@ -233,15 +214,24 @@ class LoopTracker:
         self._sync_free = type(self)._sync_context is LoopTracker._sync_context
         self._in_microbatch = False
         self._step_norm: float | None = None  # the synced gradient's norm, while .grad is as step() saw it
-        # the last counted window's sizes, the arguments they were counted with and its stats (count_sizes)
-        self._last_count: tuple[list[float], tuple[object, ...], StepStats] | None = None
         self._batches_done = 0  # loader batches per rank of the windows stepped (the data position)
         self._resumed_batches: int | None = None  # the count a checkpoint carried, on its own ranks
         self._budget_given: tuple[str, float] | None = None  # done()'s budget as last given to the session
         # a run (or the tracker) that ends inside a window says what it left without an optimizer step
         self._end = {"done": False}  # done() said so: a microbatch run after it is the loop's own, not left out
-        self._finalizer = weakref.finalize(self, _warn_unstepped, self.collector, self.session, name, "the run ended",
-                                           end=self._end)
+        self._finalizer = weakref.finalize(self, self.engine.warn_unstepped, "the run ended", end=self._end)
+
+    @property
+    def session(self) -> TrackingSession:
+        """The engine's session: counters, estimate, decision, LR coupling, record."""
+        return self.engine.session
+
+    @property
+    def collector(self) -> GradStatsCollector:
+        """The engine's collector: the hooks and the per-microbatch norms."""
+        collector = self.engine.collector
+        assert collector is not None
+        return collector
 
     # ------------------------------------------------------------------ adapter points
     def _unwrap(self, model: nn.Module) -> nn.Module:
@@ -561,7 +551,7 @@ class LoopTracker:
         self._step_norm = None
         last = self._window_index >= self._window_divisor - 1
         self._in_microbatch = True
-        self.collector.begin_microbatch(unsynced=self._unsynced(last), measure=self._measure)
+        self.engine.begin_microbatch(unsynced=self._unsynced(last))
         if timing:
             self.session.own_extra += time.perf_counter() - t0
         recovered = False
@@ -574,7 +564,7 @@ class LoopTracker:
             recovered = True
         finally:
             t0 = time.perf_counter() if timing else 0.0
-            self.collector.end_microbatch(n)
+            self.engine.end_microbatch(n)
             self._in_microbatch = False
             self._window_index += 1
             if timing:
@@ -582,7 +572,7 @@ class LoopTracker:
         if recovered:
             self._restart_window()
             return
-        if self._measure and getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
+        if self.engine.measure and getattr(self.collector, "hooks_fired_in_last_microbatch", 1) == 0:
             self.session.warn_once(
                 "no_hook",
                 f"{name}: no gradient reached the tracker during a microbatch: call loss.backward() inside "
@@ -591,11 +581,11 @@ class LoopTracker:
 
     def _begin_window(self) -> None:
         self.session.apply_pending()
-        self._measure = self.session.start_window()
+        measure = self.engine.start_window()
         self._set_layout()
-        if self._measure:  # a window not measured reads no gradient: parameters are looked at when one is
+        if measure:  # a window not measured reads no gradient: parameters are looked at when one is
             self._refresh_params()
-        self._counting = not self._measure and self.max_microbatch is None
+        self._counting = not measure and self.max_microbatch is None
         # the context its microbatches after the first take at once (microbatch() checks the window index)
         self._counted_now = self._counted if self._counting and not self.session.timing else None
         if self._counting:
@@ -723,73 +713,53 @@ class LoopTracker:
         scale = self._loss_scale()
         mean = self.loss_normalization == "mean"
         divisor = float(self._window_divisor) if mean and self.loss_divided_by_accumulation else 1.0
-        stats, faults = reduce_window(
-            self.collector,
+        stats, faults = self.engine.reduce(
             self._big_params(),
             dp_group=self.dp_group,
             loss_divisor=divisor,
             avg_ranks=self._avg_ranks,
             scale=scale,
-            transform=self._transform,
             big_norm_is_sharded=self.big_norm_is_sharded,
             expected_microbatches=self._window_divisor,
             normalization=self.loss_normalization,
             big_is_scaled=scale is not None and self._grads_still_scaled(),
-            measured=self._measure,
-            proposed_every=self.session.cadence.proposal(),
         )
-        if self.collector.labels_changed:
-            self._warn_labels_changed()
-        self.collector.reset_window()
         self._batches_done += self._window_index * self.session.micro_group
         self._window_index = 0
         if self.max_microbatch is not None:
             self._after_window()
         if faults.microbatches_run == 0:
             raise RuntimeError(no_microbatch + " (on any data-parallel rank)")
-        reusable = self._transform is None and not self.big_norm_is_sharded and math.isfinite(stats.synced_sq_norm)
+        reusable = self.engine.transform is None and not self.big_norm_is_sharded and math.isfinite(stats.synced_sq_norm)
         self._step_norm = math.sqrt(max(stats.synced_sq_norm, 0.0)) if reusable else None
         if t0 is not None:
             self.session.own_extra += time.perf_counter() - t0
-        return self.session.finish_step(
+        return self.engine.finish_step(
             stats, faults, window_accumulation=self._window_divisor, mismatch_is_fatal=self._skips_sync()
         )
 
     def _step_counted(self) -> StepRecord:
         """:meth:`step` of a window the cadence does not measure, on one rank (the usual window of a
-        cadence): the counts reduced as :func:`reduce_window` reduces them, and the session's
-        :meth:`~cbs_tracker.core.session.TrackingSession.finish_counted`, without the general path's
-        work for norms, ranks and clocks (what a window that measures nothing costs is this)."""
+        cadence): the engine's counts-only reduction (:meth:`~cbs_tracker.core.engine.Engine.count_window`)
+        and the session's :meth:`~cbs_tracker.core.session.TrackingSession.finish_counted`, without the
+        general path's work for norms, ranks and clocks (what a window that measures nothing costs is this).
+        Label counts still on their way to the host are not waited for: the record's four unit fields are
+        filled when they arrive (the next :meth:`step`, a measured window's end, or whatever reads them
+        first); the position, the LR schedule and the next window's size count microbatches."""
         if self.grad_scaler is not None:
             self._loss_scale()  # the gradients are unscaled at step() in every window
         divisor = float(self._window_divisor) if self.loss_normalization == "mean" and self.loss_divided_by_accumulation else 1.0
-        key = (divisor, self._avg_ranks, self._window_divisor, self.loss_normalization, self.session.cadence.proposal())
-        copy = self.collector.deferred_sizes()
-        if copy is not None:  # labels= on the device: their counts reach the host later, read without a wait
-            return self._step_deferred(copy, key)
-        sizes, _ = self.collector.host_sizes()
-        last = self._last_count
-        if last is not None and last[1] == key and last[0] == sizes:
-            stats, faults = last[2], None  # the sizes and the arguments of the window before: its stats (equal)
-        else:
-            stats, faults = count_sizes(
-                sizes, loss_divisor=divisor, avg_ranks=key[1], expected_microbatches=key[2], normalization=key[3],
-                proposed_every=key[4],
-            )
-            self._last_count = (sizes, key, stats) if faults is None else None
-        return self._finish_counted_window(stats, faults)
-
-    def _finish_counted_window(self, stats: StepStats | None, faults: Any, deferred: Any = None) -> StepRecord:
-        """The end of a counted window (:meth:`_step_counted`, :meth:`_step_deferred`): reset it, advance the
-        position, and let the session write the record."""
-        if self.collector.labels_changed:
-            self._warn_labels_changed()
-        self.collector.reset_window()
+        stats, faults, deferred = self.engine.count_window(
+            loss_divisor=divisor, avg_ranks=self._avg_ranks, expected_microbatches=self._window_divisor,
+            normalization=self.loss_normalization,
+        )
+        self.engine.end_window()
         self._batches_done += self._window_index * self.session.micro_group
         self._window_index = 0
         self._step_norm = None
         session = self.session
-        record = session.finish_counted(stats, faults, window_accumulation=self._window_divisor, deferred=deferred)
+        record = self.engine.finish_counted(stats, faults, window_accumulation=self._window_divisor,
+                                            deferred=deferred)
         # the next window starts as this one did when nothing its start reads has moved: not measured, no
         # change of the batch pending, and its step() counted as this one's (counted_step_ready: no clock due,
         # the _lean its start would set); windows() and load_state_dict() start theirs in full
@@ -798,35 +768,6 @@ class LoopTracker:
             and session.counted_step_ready(self._window_divisor)
         ) else 1
         return record
-
-    def _step_deferred(self, copy: Any, key: tuple[Any, ...]) -> StepRecord:
-        """:meth:`_step_counted` of a window whose sizes are ``labels=`` counted on an accelerator: the counts
-        go to the host without a wait (:class:`~cbs_tracker.core.collector.HostCopy`), and the record's four
-        unit fields are filled when they arrive (the next :meth:`step`, a measured window's end, or whatever
-        reads them first). Nothing else waits for them: the position, the LR schedule and the next window's
-        size count microbatches; a label count is a whole number >= 0, never invalid; how many microbatches
-        the window ran is known on the host."""
-        ran = self.collector.num_microbatches
-        if ran == key[2]:
-            faults = None
-        else:  # as count_sizes finds it: a window of another size than set (warned), no invalid size
-            faults = WindowFaults._of(mismatched_ranks=1, invalid_sizes=0, microbatches_run=ran, replica_spread=0.0,
-                                      shared_data=False)
-
-        def stats_of(sizes: list[float]) -> StepStats:
-            return count_sizes(sizes, loss_divisor=key[0], avg_ranks=key[1], expected_microbatches=key[2],
-                               normalization=key[3], proposed_every=key[4])[0]
-
-        return self._finish_counted_window(None, faults, deferred=(copy, stats_of, key[4]))
-
-    def _warn_labels_changed(self) -> None:
-        self.session.warn_once(
-            "labels_changed",
-            f"{type(self).__name__}: the labels of {self.collector.labels_changed} microbatch(es) of this window were "
-            "changed in place before step() (a reused label buffer?). In a window the tracker does not measure, "
-            "labels= are counted at step(), so their tokens were counted as the labels are now. Pass a fresh "
-            "tensor per microbatch, or size= (the microbatch's units).",
-        )
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of a loop that computes its own schedule: ``lr`` times the coupling.
@@ -922,9 +863,8 @@ class LoopTracker:
         starts the data at :meth:`resume_position`.
         """
         if self._in_microbatch or self._window_index > 0:
-            _warn_unstepped(self.collector, self.session, type(self).__name__, "a checkpoint (state_dict()) was taken",
-                            key="checkpoint_in_window")
-        state = {**self.session.state_dict(), "microbatches_seen": self._batches_done}
+            self.engine.warn_unstepped("a checkpoint (state_dict()) was taken", key="checkpoint_in_window")
+        state = {**self.engine.state_dict(), "microbatches_seen": self._batches_done}
         if self.max_microbatch is not None:  # what out-of-memory errors taught about the microbatch
             state = {**state, "microbatch_layout": {"good_group": self._good_group, "oom_group": self._oom_group}}
         return state
@@ -947,7 +887,7 @@ class LoopTracker:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: 'microbatches_seen' must be an int >= 0, got {seen!r}"
             )
-        self.session.load_state_dict(state)
+        self.engine.load_state_dict(state)
         change = self.session.resumed_from
         self._resumed_batches = seen
         self._batches_done = 0 if seen is None else seen if change is None else change.position(seen)
@@ -1007,46 +947,12 @@ class LoopTracker:
 
     def remove_hooks(self) -> None:
         """Detach from the model and the scheduler (gradients are never changed by the tracker)."""
-        _warn_unstepped(self.collector, self.session, type(self).__name__, "the tracker was detached (remove_hooks())")
+        self.engine.warn_unstepped("the tracker was detached (remove_hooks())")
         self.session.resolve_pending()  # records whose counts are still on their way: filled and logged
-        self.collector.remove()
-        self.session.detach_scheduler()
+        self.engine.remove(forget=False)
 
 
 _PLAIN_NUMBERS = (int, float)
-
-
-def _warn_unstepped(collector: Any, session: TrackingSession, name: str, what: str, *, key: str = "unstepped",
-                    end: dict[str, bool] | None = None) -> None:
-    """Warn once when ``what`` happened inside a window: its microbatches ran forward and backward without an
-    optimizer step (a loop that ends, or checkpoints, between two of its steps). Not at the end of a run whose
-    loop was told it was done (a loop that checks after each batch runs one more before it looks)."""
-    ran = collector.num_microbatches
-    if not ran or (end is not None and end["done"]):
-        return
-    try:
-        units = f"{sum(collector.host_sizes()[0]):,.0f} {session.unit}"
-    except Exception:  # at interpreter exit the device may be gone: the count alone
-        units = f"their {session.unit}"
-    window = session.accumulation_steps
-    if key == "checkpoint_in_window":
-        fix = ("The checkpoint holds the state at the last optimizer step: their gradients are in no checkpoint. "
-               "Resume the data at tracker.resume_position() (the window's start, so they run again), or save after "
-               "tracker.step(); a resume that starts the data after them (e.g. at the next epoch) drops them.")
-    else:
-        fix = ("End the loop between windows: `while not tracker.done(max_steps)` (or done(microbatches=...), "
-               "done(tokens=...)) around `for _ in range(tracker.accumulation_steps)`, or `if tracker.done(...): "
-               "break` after each batch. A loop that already breaks after each batch ended here because its data "
-               "did (its last epoch ran out inside the window): let the epochs run on until tracker.done(...) is "
-               "true (`for epoch in itertools.count(starting_epoch):`, leaving it when tracker.done(...) is; "
-               "run_clm_no_trainer's max_train_steps is then num_train_epochs x its steps per epoch), so this "
-               f"window finishes on the next epoch's first {window - ran:g} batch(es) and the run stops on the "
-               "data of its budget.")
-    session.warn_once(
-        key,
-        f"{name}: {what} inside a window: {ran} of its {window} microbatches per rank ({units} on this rank) ran "
-        f"forward and backward after the last optimizer step, and were never stepped. {fix}",
-    )
 
 
 class _CountedMicrobatch:
@@ -1196,7 +1102,7 @@ def _join(parts: list[Any]) -> Any:
     raise TypeError(f"cannot join loader batches of type {type(first).__name__} (tensors, tuples, lists, dicts)")
 
 
-def _refuse_pipeline(model: Any, name: str) -> None:
+def refuse_pipeline(model: Any, name: str) -> None:
     """Refuse a ``torch.distributed.pipelining`` stage or schedule, with the reason."""
     pipelining = sys.modules.get("torch.distributed.pipelining")  # imported iff the user built a pipeline
     if pipelining is None:

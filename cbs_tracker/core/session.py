@@ -1,10 +1,9 @@
-"""The step engine under every adapter: counters, estimate, decision, LR coupling, record, state.
+"""The step's bookkeeping under every adapter: counters, estimate, decision, LR coupling, record, state.
 
-An adapter (plain loop, Lightning, FSDP2, Hugging Face) places the hooks, reads
-the big norm through :func:`~cbs_tracker.core.measure.reduce_window`, hands the
-result to :meth:`TrackingSession.finish_step`, and decides **when** a pending
-accumulation takes effect (:meth:`TrackingSession.apply_pending`). Everything
-else is here, once. See docs/design.md ("Adapt").
+:class:`~cbs_tracker.core.engine.Engine` builds the session beside the collector and hands it each
+window's reduced norms (:meth:`TrackingSession.finish_step`); the adapter decides **when** a
+pending accumulation takes effect (:meth:`TrackingSession.apply_pending`). Everything else is
+here, once. See docs/design.md ("Adapt").
 """
 
 from __future__ import annotations
@@ -84,7 +83,8 @@ class TrackingSession:
         measure_every: measure one window in ``n`` (default 1: every window), or
             ``"auto"``: the smallest ``n`` that keeps the measurement's share of the step
             time at or below ``measure_target`` (see :mod:`cbs_tracker.core.cadence`).
-        measure_target: that share for ``"auto"`` (default 0.01).
+        measure_target: that share for ``"auto"`` (default 0.01). Both are checked once, where the
+            adapter is built (:class:`~cbs_tracker.core.engine.EngineSettings`), not here.
 
     Raises:
         TypeError / ValueError: on bad configuration (the message names the argument).
@@ -158,7 +158,7 @@ class TrackingSession:
         self._warn_fn = warn
         if callable(getattr(controller, "bind", None)):  # a BatchSchedule checks its marks against the layout
             controller.bind(owner=owner, dp_degree=int(dp_degree), starting_accumulation=int(starting_accumulation))
-        self.cadence = MeasureCadence(measure_every, measure_target, owner=owner)
+        self.cadence = MeasureCadence(measure_every, measure_target)  # checked by EngineSettings
         self._last_finish: float | None = None  # the step clock at the last window's end, when read
         self._clock_due = self.cadence.clock_due()  # read the step clock when the current window ends
         #: the current window is an unmeasured one whose tracker work is timed (``"auto"``: the one

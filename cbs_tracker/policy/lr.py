@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 __all__ = [
+    "ADAPTIVE_OPTIMIZERS",
     "COUPLINGS",
+    "SGD_OPTIMIZERS",
     "ScheduleTimer",
     "apply_lr_factor",
     "coupling_factor",
@@ -26,13 +28,13 @@ __all__ = [
 Coupling = Literal["keep", "sqrt", "linear"]
 COUPLINGS = ("auto", "keep", "sqrt", "linear")
 
-# Optimizers whose update is normalised by a second-moment estimate (or a sign): a doubled
-# batch is worth LR x sqrt(2) there, and LR x 2 for plain SGD (momentum or not).
-_ADAPTIVE = {
+#: optimizers (class names) whose update is normalised by a second-moment estimate (or a sign): a
+#: doubled batch is worth LR x sqrt(2) there, and LR x 2 for plain SGD (momentum or not, :data:`SGD_OPTIMIZERS`)
+ADAPTIVE_OPTIMIZERS = {
     "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adafactor", "Adagrad",
     "RMSprop", "Adadelta", "Lion", "LAMB", "Lamb", "AdEMAMix", "Muon", "SOAP", "Shampoo",
 }
-_SGD = {"SGD", "ASGD"}
+SGD_OPTIMIZERS = {"SGD", "ASGD"}
 
 
 def resolve_coupling(mode: str | None, optimizer: Any | None, *, owner: str = "cbs-tracker") -> Coupling:
@@ -52,9 +54,9 @@ def resolve_coupling(mode: str | None, optimizer: Any | None, *, owner: str = "c
         return "keep"
     name = type(optimizer).__name__
     for cls in type(optimizer).__mro__:
-        if cls.__name__ in _SGD:
+        if cls.__name__ in SGD_OPTIMIZERS:
             return "linear"
-        if cls.__name__ in _ADAPTIVE:
+        if cls.__name__ in ADAPTIVE_OPTIMIZERS:
             return "sqrt"
     warnings.warn(
         f"{owner}: lr_coupling='auto' does not know the optimizer {name}; it uses 'sqrt' (the rule "

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from cbs_tracker.theory.schedule import _integer_argmin, doubling_plan_from_batches, plan_doubling
+from cbs_tracker.theory.schedule import doubling_plan_from_batches, integer_argmin, plan_doubling
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -127,7 +127,7 @@ class NQMConfig:
             )
 
 
-class _Spectrum:
+class Spectrum:
     """Curvatures, initial second moments and noise variances of a config (shared by both models)."""
 
     def __init__(self, config: NQMConfig) -> None:
@@ -321,7 +321,7 @@ class ExactNQM:
         if config is not None and not isinstance(config, NQMConfig):
             raise TypeError(f"config={config!r} has type {type(config).__name__}; expected NQMConfig or None")
         self.config = config or NQMConfig()
-        self._spec = _Spectrum(self.config)
+        self._spec = Spectrum(self.config)
         self._kernel = np.zeros(0)
         self._kernel_block: np.ndarray | None = None
         self._signal_cache: dict[int, float] = {}
@@ -544,7 +544,7 @@ class ExactNQM:
         t_lo, t_hi = max(1, math.ceil(d / hi - 1e-9)), max(1, math.floor(d / lo + 1e-9))
         if steps is None:
             self._prefix_sums(t_hi)
-            steps = _integer_argmin(lambda t: self._optimum_at(t, d, lo, hi)[0], t_lo, t_hi)
+            steps = integer_argmin(lambda t: self._optimum_at(t, d, lo, hi)[0], t_lo, t_hi)
         elif not t_lo <= steps <= t_hi:
             raise ValueError(f"steps={steps!r} must be in {t_lo}..{t_hi} to spend budget={budget!r}")
         _, c, _, _ = self._optimum_at(int(steps), d, lo, hi)
@@ -557,7 +557,7 @@ class ExactNQM:
         """The best constant batch on the fine grid ``B = D/T`` (every integer ``T``; budget exact)."""
         d, lo, hi = _positive("budget", budget), _positive("b_min", b_min), _positive("b_max", b_max)
         t_lo, t_hi = max(1, math.ceil(d / hi - 1e-9)), max(1, math.floor(d / lo + 1e-9))
-        t = _integer_argmin(lambda t: self.constant_loss(d / t, t), t_lo, t_hi)
+        t = integer_argmin(lambda t: self.constant_loss(d / t, t), t_lo, t_hi)
         return np.full(t, d / t)
 
     def best_two_stage(
@@ -693,7 +693,7 @@ class MonteCarloNQM:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed={seed!r} has type {type(seed).__name__}; expected an int")
         self.config = config or NQMConfig()
-        self._spec = _Spectrum(self.config)
+        self._spec = Spectrum(self.config)
         self._rng = np.random.default_rng(int(seed))
         self._sigma = np.sqrt(self._spec.sigma2)
         self.theta = np.sqrt(self._spec.v0) * self._rng.standard_normal(self.config.dims)

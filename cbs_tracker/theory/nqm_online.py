@@ -30,7 +30,7 @@ from cbs_tracker.theory.nqm import (
     OnlineRun,
     RowContext,
     ScheduleResult,
-    _Spectrum,
+    Spectrum,
     register_row,
     run_online,
 )
@@ -87,7 +87,7 @@ class ChiSquareMonteCarlo:
 
     def __init__(self, config: NQMConfig | None = None, *, seed: int = 0) -> None:
         self.config = config or NQMConfig()
-        self._spec = _Spectrum(self.config)
+        self._spec = Spectrum(self.config)
         self._rng = np.random.default_rng(int(seed))
         self._sigma = np.sqrt(self._spec.sigma2)
         self.theta = np.sqrt(self._spec.v0) * self._rng.standard_normal(self.config.dims)

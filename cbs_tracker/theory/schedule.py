@@ -531,11 +531,11 @@ def optimal_schedule(
 
     if steps is not None:
         return build(power_law_schedule(d, lo, hi, law.beta, steps=steps).steps)
-    t_best = _integer_argmin(lambda t: build(t).excess_loss, t_lo, t_hi)
+    t_best = integer_argmin(lambda t: build(t).excess_loss, t_lo, t_hi)
     return build(t_best)
 
 
-def _integer_argmin(f, lo: int, hi: int) -> int:  # noqa: ANN001
+def integer_argmin(f, lo: int, hi: int) -> int:  # noqa: ANN001
     """Argmin of ``f`` over the integers ``lo..hi``: log-spaced scan, then integer golden section."""
     if hi - lo <= 64:
         ts = list(range(lo, hi + 1))
