@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -282,6 +283,23 @@ def test_what_an_out_of_memory_error_taught_survives_a_checkpoint():
             assert len(window[0]["index"]) == 4  # level 8 at the learned cap of 2 loader batches
             fresh.step()
             model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(("layout", "named"), [
+    ({"good_group": -2, "oom_group": None}, "'good_group'] must be an int >= 1, got -2"),
+    ({"good_group": 2, "oom_group": 0}, "'oom_group'] must be an int >= 1 or None, got 0"),
+    ({"good_group": 1.5, "oom_group": None}, "'good_group'] must be an int >= 1, got 1.5"),
+    ({"good_group": 2}, "must be a dict with 'good_group' and 'oom_group'"),
+])
+def test_a_bad_saved_layout_is_refused_naming_the_key_and_nothing_is_loaded(layout, named):
+    tracker, _, _, _, _ = _train(ROWS * 2 * 3, max_microbatch=8, limit=None)
+    state = {**tracker.state_dict(), "microbatch_layout": layout}
+    fresh = CBSTracker(TwoLayer(4, "forward"), accumulation_steps=2, unit="samples", controller=PlanController({}),
+                       max_microbatch=8)
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=re.escape(named)):
+        fresh.load_state_dict(state)
+    assert fresh.state_dict() == before
 
 
 def test_out_of_memory_is_raised_where_dropping_the_gradients_cannot_redo_the_window():

@@ -887,15 +887,15 @@ class LoopTracker:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: 'microbatches_seen' must be an int >= 0, got {seen!r}"
             )
+        groups = _read_layout(layout, f"{type(self).__name__}.load_state_dict")
         self.engine.load_state_dict(state)
         change = self.session.resumed_from
         self._resumed_batches = seen
         self._batches_done = 0 if seen is None else seen if change is None else change.position(seen)
         self._fast_from = 1  # the next window starts in full from the state loaded
         self._window_divisor = self.session.accumulation_steps
-        if layout is not None and self.max_microbatch is not None:
-            self._good_group = int(layout["good_group"])
-            self._oom_group = None if layout["oom_group"] is None else int(layout["oom_group"])
+        if groups is not None and self.max_microbatch is not None:
+            self._good_group, self._oom_group = groups
 
     @property
     def resumed_from(self) -> Any:
@@ -984,6 +984,21 @@ class _CountedMicrobatch:
         t._in_microbatch = False
         t._window_index += 1
         return None if self._sync is None else self._sync.__exit__(kind, value, tb)
+
+
+def _read_layout(layout: Any, owner: str) -> tuple[int, int | None] | None:
+    """A saved ``microbatch_layout``: ``good_group`` an int >= 1, ``oom_group`` ``None`` or an int >= 1."""
+    if layout is None:
+        return None
+    if not isinstance(layout, dict) or "good_group" not in layout or "oom_group" not in layout:
+        raise ValueError(f"{owner}: 'microbatch_layout' must be a dict with 'good_group' and 'oom_group', "
+                         f"got {layout!r}")
+    for key, optional in (("good_group", False), ("oom_group", True)):
+        value = layout[key]
+        if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{owner}: 'microbatch_layout'[{key!r}] must be an int >= 1"
+                             + (" or None" if optional else "") + f", got {value!r}")
+    return layout["good_group"], layout["oom_group"]
 
 
 def microbatch_layout(level: int, max_group: int, dp_degree: int) -> int:
