@@ -51,7 +51,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04", "tracker_measured",
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
-             "tracker_effNNN")
+             "tracker_effNNN", "tracker_library_default")
 #: ``tracker_kappa03``, ``tracker_kappa07``, ...: the default controller at ``kappa = NN / 10``;
 #: ``tracker_kappa04_convert``: the same with ``convert_lr_decay=True``
 _KAPPA_RUN = re.compile(r"tracker_kappa(\d)(\d)(_convert)?")
@@ -146,14 +146,17 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     if run.schedule in ("tracker_default", "tracker_mbfirst", "tracker_mbfirst_auto"):
         return BatchSizeController(**earlier)
     if run.schedule == "tracker_convert":
-        return BatchSizeController(kappa=earlier["kappa"], convert_lr_decay=True)
+        return BatchSizeController(kappa=earlier["kappa"], kappa_rise=1.0, convert_lr_decay=True)
     if run.schedule == "tracker_convert_kappa1":
         # conversions allowed up to B_simple itself (kappa = 0.5 bounded them at half of it then)
-        return BatchSizeController(convert_lr_decay=True, kappa=1.0)
+        return BatchSizeController(convert_lr_decay=True, kappa=1.0, kappa_rise=1.0)
     if run.schedule == "tracker_budget":
         return BatchSizeController(**earlier, budget_tokens=setting.budget_tokens)
+    if run.schedule == "tracker_library_default":
+        # the library's default as a user gets it, with the run's length (an adapter gives it)
+        return BatchSizeController(total_tokens=setting.budget_tokens)
     if run.schedule == "tracker_kappa04":
-        return BatchSizeController(kappa=0.4, convert_lr_decay=False)
+        return BatchSizeController(kappa=0.4, kappa_rise=1.0, convert_lr_decay=False)
     if run.schedule == "tracker_measured":
         return BatchSizeController(kappa=measured_kappa(), convert_lr_decay=False)
     if run.schedule == "tracker_cooled":
@@ -162,7 +165,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     if eff_run is not None:
         budget = int(eff_run.group(1)) + int(eff_run.group(2)) / 100
         return BatchSizeController(efficiency_budget=budget, total_tokens=setting.budget_tokens,
-                                   convert_lr_decay=False)
+                                   kappa_rise=1.0, convert_lr_decay=False)
     ramp_run = _KAPPA_RAMP_RUN.fullmatch(run.schedule)
     if ramp_run is not None:
         from cbs_tracker.policy.kappa import KappaSchedule
@@ -173,7 +176,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     kappa_run = _KAPPA_RUN.fullmatch(run.schedule)
     if kappa_run is not None:
         kappa = int(kappa_run.group(1)) + int(kappa_run.group(2)) / 10
-        return BatchSizeController(kappa=kappa, convert_lr_decay=kappa_run.group(3) is not None)
+        return BatchSizeController(kappa=kappa, kappa_rise=1.0, convert_lr_decay=kappa_run.group(3) is not None)
     if run.schedule in ("seesaw", "hand_ramp"):
         from cbs_tracker.policy.batch_schedule import BatchSchedule
 
