@@ -160,6 +160,20 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     assert f"it saved {min(saved_wsd)}–{max(saved_wsd)}% and kept the loss on prose and the third, not on the proof GPT" in readme
     assert [s for s in ("full", "prose", "synth") if by[(s, "wsd", "kappa0.4+convert")]["delta_upper90"] <= 0.005] \
         == ["prose", "synth"]
+    held = {sch: by[("heldout", sch, "kappa0.4+convert")] for sch in ("cosine", "wsd")}  # run after the choice
+    rival = {sch: said(by[("heldout", sch, "kappa0.4-0.8+convert")]) for sch in ("cosine", "wsd")}
+    (hc, hcu, _), (hw, hwu, _) = said(held["cosine"]), said(held["wsd"])
+    assert (f"it ended {hc} nats ({hcu}, just above the bar at {held['cosine']['delta_upper90']:+.4f}) with "
+            f"{round(100 * held['cosine']['steps_saved'])}% fewer under cosine and {hw} ({hwu}) with "
+            f"{round(100 * held['wsd']['steps_saved'])}% fewer under warmup-stable-decay") in readme
+    assert held["cosine"]["delta_upper90"] > 0.005 and held["wsd"]["delta_upper90"] <= 0.005
+    assert (f"but ended {rival['cosine'][0]} nats ({rival['cosine'][1]}) and {rival['wsd'][0]} ({rival['wsd'][1]}) "
+            "on the held-out one") in readme
+    kept = [(s, sch) for s in ("full", "prose", "synth") for sch in ("cosine", "wsd")
+            if by[(s, sch, "kappa0.4-0.8+convert")]["delta_upper90"] <= 0.005]
+    rising_saved = [round(100 * by[(s, sch, "kappa0.4-0.8+convert")]["steps_saved"])
+                    for s in ("full", "prose", "synth") for sch in ("cosine", "wsd")]
+    assert len(kept) == 5 and f"saved {min(rising_saved)}–{max(rising_saved)}% and kept the loss on five" in readme
     for text_ in (readme, *rows):  # every loss difference is a point's mean or upper end, every share one of its
         assert set(re.findall(r"[+−]\d\.\d{3}", text_)) <= deltas | uppers, text_
         assert set(re.findall(r"(\d+)%", text_)) | set(re.findall(r"(\d+)–\d+%", text_)) <= every | {"90"}, text_
