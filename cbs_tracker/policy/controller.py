@@ -338,8 +338,7 @@ class BatchSizeController:
         self._conversion = LRDecayConversion()
         self._efficiency = EfficiencyBudget(self)
         self.kappa_rise = float(kappa_rise)
-        self._warned_no_run_length = False
-        self._warned_no_rise = False
+        self._warned_no_run_length: set[str] = set()  # the options said to lack the run's length
         self._resumed_without_lr_reference = False  # set by load_state_dict, cleared at the first scheduled LR
 
     # ------------------------------------------------------------------ kappa
@@ -599,10 +598,10 @@ class BatchSizeController:
             start = float(global_batch) * self._level.a0 / accumulation_steps
             self._efficiency.observe(now.tokens, float(global_batch), start, now.median, scheduled_lr)
         elif self.efficiency_budget is not None:
-            self._warn_no_run_length(now)
+            self._warn_no_run_length(now, "efficiency_budget")
         if (self.total_tokens is None and self._kappa_schedule is None and self.kappa_rise != 1.0
                 and self.efficiency_budget is None and not self.observe_only):
-            self._warn_no_rise(now)
+            self._warn_no_run_length(now, "kappa_rise")
         for rule in (self._wait_or_follow_plan, self._check_last_doubling, self._convert_lr_halving):
             decision = rule(now)
             if decision is not None:
@@ -805,29 +804,23 @@ class BatchSizeController:
         return doubled <= self._rules.clip(now.median) and self._efficiency.allows(
             now.tokens, doubled, self._level.batch(0), low, now.scheduled_lr)
 
-    def _warn_no_run_length(self, now: _Now) -> None:
-        """``efficiency_budget`` without the run's length: the ``kappa`` rule decides; said once, past warm-up."""
-        if self._warned_no_run_length or self._rules.waiting(self._level, now.tokens) == "warm-up":
+    def _warn_no_run_length(self, now: _Now, option: str) -> None:
+        """An option that needs the run's length, without it (``efficiency_budget``: the ``kappa`` rule decides;
+        ``kappa_rise``: ``kappa`` stays at its start); said once per option, past warm-up."""
+        if option in self._warned_no_run_length or self._rules.waiting(self._level, now.tokens) == "warm-up":
             return
-        self._warned_no_run_length = True
+        self._warned_no_run_length.add(option)
+        if option == "efficiency_budget":
+            given, effect, or_else = f"efficiency_budget={self.efficiency_budget:g}", "the kappa rule decides growth", ""
+        else:
+            given = f"kappa_rise={self.kappa_rise:g}"
+            effect = (f"kappa stays at {self._kappa_start:g} instead of rising to "
+                      f"{self._kappa_start * self.kappa_rise:g} by the run's end")
+            or_else = ", or set kappa_rise=1 to keep kappa fixed"
         warnings.warn(
-            f"BatchSizeController(efficiency_budget={self.efficiency_budget:g}) has no run length (total_tokens=None "
-            "and no adapter gave one): the kappa rule decides growth. Pass total_tokens= (units of the whole run), "
-            "or stop the loop with tracker.done(...), which gives the length.",
-            UserWarning,
-            stacklevel=3,
-        )
-
-    def _warn_no_rise(self, now: _Now) -> None:
-        """``kappa_rise`` without the run's length: ``kappa`` stays at its start; said once, past warm-up."""
-        if self._warned_no_rise or self._rules.waiting(self._level, now.tokens) == "warm-up":
-            return
-        self._warned_no_rise = True
-        warnings.warn(
-            f"BatchSizeController(kappa_rise={self.kappa_rise:g}) has no run length (total_tokens=None and no "
-            f"adapter gave one): kappa stays at {self._kappa_start:g} instead of rising to "
-            f"{self._kappa_start * self.kappa_rise:g} by the run's end. Pass total_tokens= (units of the whole run), "
-            "stop the loop with tracker.done(...), which gives the length, or set kappa_rise=1 to keep kappa fixed.",
+            f"BatchSizeController({given}) has no run length (total_tokens=None and no adapter gave one): {effect}. "
+            f"Pass total_tokens= (units of the whole run), or stop the loop with tracker.done(...), which gives the "
+            f"length{or_else}.",
             UserWarning,
             stacklevel=3,
         )
