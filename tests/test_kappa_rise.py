@@ -75,8 +75,13 @@ def test_without_the_runs_length_kappa_stays_and_one_warning_says_how_to_give_it
     assert {k for _, k in kappas} == {0.4}
     said = [str(w.message) for w in seen if "kappa_rise" in str(w.message)]
     assert len(said) == 1 and "total_tokens=" in said[0] and "tracker.done(" in said[0] and "kappa_rise=1" in said[0]
-    for quiet in (BatchSizeController(), BatchSizeController(kappa_rise=2.0, observe_only=True),
-                  BatchSizeController(kappa_rise=2.0, total_tokens=1e9)):
+    for said_too in (BatchSizeController(kappa_rise=2.0, observe_only=True),  # its target follows kappa too
+                     BatchSizeController(kappa_rise=2.0, efficiency_budget=0.08)):  # the kappa rule decides then
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            feed(said_too, 1.0, 400)
+        assert len([w for w in seen if "kappa_rise" in str(w.message)]) == 1
+    for quiet in (BatchSizeController(), BatchSizeController(kappa_rise=2.0, total_tokens=1e9)):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             feed(quiet, 1.0, 400)
@@ -90,7 +95,7 @@ def test_a_measured_kappa_schedule_is_used_as_given():
         assert kappa == pytest.approx(0.3 + 0.3 * tokens / 1e6)
 
 
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1.0, ValueError), (0.5, ValueError), (float("nan"), ValueError),
                                       (float("inf"), ValueError), ("2", TypeError), (True, TypeError)])
 def test_a_bad_kappa_rise_is_refused_naming_it(bad, exc):
     with pytest.raises(exc, match=r"BatchSizeController\(kappa_rise="):
@@ -120,3 +125,47 @@ def test_kappa_rise_2_decides_as_the_frontiers_rising_rule_on_a_planted_noise_sc
         ours = planted_run(made, NOISE["linear"], SCHEDULES[schedule])
         theirs = planted_run(library, NOISE["linear"], SCHEDULES[schedule])
         assert ours == theirs and len({b for _, b in ours[1]}) >= 4, schedule  # it grows, the same way
+
+
+def test_a_constant_set_during_the_run_is_the_new_start_of_the_rise_made_so_far():
+    total = 1000 * MICRO
+    ctrl = BatchSizeController(kappa=0.4, kappa_rise=2.0, total_tokens=total)
+    feed(ctrl, 1.0, 500)
+    assert ctrl.kappa == pytest.approx(0.4 * 1.5) and ctrl.kappa_start == 0.4
+    ctrl.kappa = 0.6
+    assert ctrl.kappa_start == 0.6 and ctrl.kappa == pytest.approx(0.6 * 1.5)
+    kappas, _ = feed(ctrl, 1.0, 100, start=501, tokens=500 * MICRO)
+    assert kappas[-1][1] == pytest.approx(0.6 * (1 + 600 / 1000))
+
+
+def test_kappa_is_its_start_before_the_first_update_and_a_length_given_mid_run_moves_it_at_once():
+    ctrl = BatchSizeController(kappa=0.4, kappa_rise=2.0, total_tokens=1e6)
+    ctrl.set_kappa(0.5)  # before any update: no units seen yet
+    assert ctrl.kappa == 0.5
+    fresh = BatchSizeController(kappa_rise=2.0, total_tokens=1e6)
+    fresh.load_state_dict(BatchSizeController().state_dict())  # a state saved before any update
+    assert fresh.kappa == 0.4
+    late = BatchSizeController(kappa=0.4, kappa_rise=2.0)
+    with pytest.warns(UserWarning, match="has no run length"):
+        feed(late, 1.0, 500)
+    assert late.kappa == 0.4
+    late.set_run_length(1000 * MICRO)
+    assert late.kappa == pytest.approx(0.4 * 1.5)
+
+
+def test_kappa_rise_with_a_measured_schedule_is_said_to_be_ignored():
+    with pytest.warns(UserWarning, match=r"kappa_rise=2.0\) is ignored: kappa is a measured KappaSchedule"):
+        BatchSizeController(kappa=KappaSchedule([(0, 0.3), (1e6, 0.6)]), kappa_rise=2.0)
+
+
+def test_the_benchmarks_record_kappa_as_given_not_as_risen():
+    """A stored run is reused only while its controller's settings match a fresh one's: a rising kappa read at
+    the run's end must not make every stored run look changed."""
+    from benchmarks.proof.gpt_proof import controller_config
+
+    total = 1000 * MICRO
+    used = BatchSizeController(kappa_rise=2.0, total_tokens=total)
+    feed(used, 1.0, 1000)
+    assert used.kappa == pytest.approx(0.8)
+    assert controller_config(used) == controller_config(BatchSizeController(kappa_rise=2.0, total_tokens=total))
+    assert controller_config(used)["kappa"] == 0.4 and controller_config(used)["kappa_rise"] == 2.0

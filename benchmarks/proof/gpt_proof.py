@@ -474,7 +474,7 @@ def controller_config(controller: Any) -> dict[str, Any]:
         k: v for k, v in sorted(vars(controller).items())
         if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))
     }
-    kappa = getattr(controller, "kappa", None)  # a property (it may follow a measured schedule)
+    kappa = getattr(controller, "kappa_start", getattr(controller, "kappa", None))  # as given, before any rise
     if isinstance(kappa, (int, float)) and getattr(controller, "kappa_schedule", None) is None:
         config["kappa"] = kappa
     if config.get("kappa_rise") == 1.0:  # a fixed kappa: how every record before the option was made

@@ -135,8 +135,9 @@ class BatchSizeController:
             adapter gives: :meth:`set_run_length`), and stays there after it. Default 1 (fixed).
             ``2`` (0.4 to 0.8) saved more optimizer steps than a fixed 0.4 on four small GPTs
             under cosine and warmup-stable-decay but kept the final loss on fewer of them
-            (results.md). Without the run's length ``kappa`` stays where it started (said
-            once). A measured ``KappaSchedule`` is used as given.
+            (results.md). At least 1. Without the run's length ``kappa`` stays where it started
+            (said once). A measured ``KappaSchedule`` is used as given (a rise with it is said to
+            be ignored); a constant set during the run (:meth:`set_kappa`) starts the rise anew.
         min_batch: lower clip of the critical batch and lowest batch a shrink may reach.
             ``None``: no lower bound.
         max_batch: upper clip of the critical batch and largest batch a doubling may
@@ -249,6 +250,12 @@ class BatchSizeController:
         self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
         self._kappa_start = self._kappa_now  # a constant kappa at the run's start (before its rise)
         _check_number("kappa_rise", kappa_rise)
+        if kappa_rise < 1:
+            raise ValueError(f"BatchSizeController(kappa_rise={kappa_rise!r}): must be >= 1 (kappa rises from "
+                             "kappa at the start to kappa_rise * kappa at the run's end; 1 keeps it fixed)")
+        if kappa_rise != 1 and self._kappa_schedule is not None:
+            warnings.warn(f"BatchSizeController(kappa_rise={kappa_rise!r}) is ignored: kappa is a measured "
+                          "KappaSchedule, used as given.", UserWarning, stacklevel=2)
         _check_number("conversion_kappa", conversion_kappa)
         _check_number("efficiency_budget", efficiency_budget, allow_none=True)
         _check_number("total_tokens", total_tokens, allow_none=True)
@@ -356,8 +363,16 @@ class BatchSizeController:
         """The measured ``kappa`` (``None`` while ``kappa`` is a constant)."""
         return self._kappa_schedule
 
+    @property
+    def kappa_start(self) -> float | None:
+        """The constant ``kappa`` as given, before its rise (``kappa_rise``); ``None`` under a measured schedule."""
+        return None if self._kappa_schedule is not None else self._kappa_start
+
     def set_kappa(self, kappa: float | KappaSchedule | list[tuple[float, float]]) -> None:
-        """Replace ``kappa`` (a constant or a measured schedule); it takes effect at the next update."""
+        """Replace ``kappa`` (a constant or a measured schedule); it takes effect at the next update.
+
+        A constant given during a run replaces the start of the rise (``kappa_rise``): in force from now on is
+        the new constant times the rise already made, ``kappa * (1 + (kappa_rise - 1) * min(1, t / T))``."""
         self._kappa_schedule, self._kappa_start = parse_kappa(kappa, "BatchSizeController")
         self._kappa_now = self._kappa_at(self._level.last_tokens)
 
@@ -368,7 +383,7 @@ class BatchSizeController:
             return self._kappa_schedule.value_at(tokens)
         if self.kappa_rise == 1.0 or self.total_tokens is None:
             return self._kappa_start
-        return self._kappa_start * (1.0 + (self.kappa_rise - 1.0) * min(1.0, tokens / self.total_tokens))
+        return self._kappa_start * (1.0 + (self.kappa_rise - 1.0) * min(1.0, max(0.0, tokens) / self.total_tokens))
 
     def add_kappa_point(self, tokens: float, kappa: float) -> None:
         """Add one measured ``kappa`` (a calibration during the run): from ``tokens`` on, the
@@ -382,7 +397,7 @@ class BatchSizeController:
     # ------------------------------------------------------------ run length
     def set_run_length(self, units: float) -> None:
         """The run's length in units (all data-parallel ranks), as an adapter learns it: ``total_tokens``
-        for ``efficiency_budget``.
+        for ``kappa_rise`` and ``efficiency_budget``.
 
         Adapters call it (when the controller has it) with the length of the run they drive: a
         plain loop's ``tracker.done(steps=...)`` times the starting global batch, a Trainer's
@@ -406,6 +421,7 @@ class BatchSizeController:
                              "(the run's length in units, all ranks)")
         self._efficiency.run_length = float(units)
         self._apply_run_length()
+        self._kappa_now = self._kappa_at(self._level.last_tokens)  # a length given mid-run moves kappa now
 
     def _apply_run_length(self) -> None:
         """``total_tokens`` takes the adapter's run length unless the user gave one."""
@@ -599,8 +615,7 @@ class BatchSizeController:
             self._efficiency.observe(now.tokens, float(global_batch), start, now.median, scheduled_lr)
         elif self.efficiency_budget is not None:
             self._warn_no_run_length(now, "efficiency_budget")
-        if (self.total_tokens is None and self._kappa_schedule is None and self.kappa_rise != 1.0
-                and self.efficiency_budget is None and not self.observe_only):
+        if self.total_tokens is None and self._kappa_schedule is None and self.kappa_rise != 1.0:
             self._warn_no_run_length(now, "kappa_rise")
         for rule in (self._wait_or_follow_plan, self._check_last_doubling, self._convert_lr_halving):
             decision = rule(now)
