@@ -17,7 +17,7 @@ first two chose the default, ``synth`` and ``heldout`` only judge. Rules (``RULE
 ``constant`` (the setting's starting batch throughout), ``kappa0.3`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
 the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the controller with
-``convert_lr_decay``: the default, ``DEFAULT_RULE``), ``kappaA-B+convert`` (``kappa`` rising from A to B
+``convert_lr_decay``: the default, ``DEFAULT_RULE``; ``+peak``: with ``cap_lr_at_peak=True``), ``kappaA-B+convert`` (``kappa`` rising from A to B
 over the budget: ``BatchSizeController(kappa=A, kappa_rise=B/A)``), ``eff0.08`` / ``eff0.12`` (the
 efficiency budget, ``efficiency_budget`` with the setting's budget as ``total_tokens``, no conversion), ``measured`` / ``cooled`` (``kappa`` from branches
 without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4,
@@ -61,6 +61,7 @@ RULES = {
     "kappa0.7": "tracker_kappa07",
     "seesaw": "seesaw",
     "kappa0.4+convert": "tracker_kappa04_convert",
+    "kappa0.4+convert+peak": "tracker_kappa04_convert_peak",
     "kappa0.5+convert": "tracker_convert",
     "kappa0.4-0.8+convert": "tracker_kappa04_08_convert",
     "kappa0.4-1.2+convert": "tracker_kappa04_12_convert",

@@ -51,7 +51,10 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_mbfirst", "tracker_mbfirst_auto", "constant_fast", "tracker_kappa04", "tracker_measured",
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
-             "tracker_effNNN", "tracker_library_default")
+             "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak")
+#: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
+#: controller of the schedule it names
+PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
 #: ``tracker_kappa03``, ``tracker_kappa07``, ...: the default controller at ``kappa = NN / 10``;
 #: ``tracker_kappa04_convert``: the same with ``convert_lr_decay=True``
 _KAPPA_RUN = re.compile(r"tracker_kappa(\d)(\d)(_convert)?")
@@ -77,6 +80,11 @@ class Run:
     seed: int
     lr_schedule: str  # "constant", "cosine" or "wsd"
     cap: bool = False
+
+    @property
+    def capped(self) -> bool:
+        """The coupled LR is capped at the schedule's peak (``cap``, or a ``PEAK_CAPPED`` schedule)."""
+        return self.cap or self.schedule in PEAK_CAPPED
 
     @property
     def name(self) -> str:
@@ -140,6 +148,8 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
 
     if run.schedule in ("constant", "constant_fast"):
         return None
+    if run.schedule in PEAK_CAPPED:
+        return make_controller(replace(run, schedule=PEAK_CAPPED[run.schedule]), setting)
     # the rules keep the defaults they were named under (base.EARLIER_DEFAULTS: kappa 0.5, no
     # conversion), whatever the library's, so their stored results keep their meaning
     earlier = base.EARLIER_DEFAULTS
@@ -312,7 +322,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=run.seed)
     tracker = None if fast else CBSTracker(
         model, optimizer, accumulation_steps=start // micro_tokens, controller=make_controller(run, setting),
-        lr_scheduler=scheduler, cap_lr_at_peak=run.cap,
+        lr_scheduler=scheduler, cap_lr_at_peak=run.capped,
         max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule.startswith("tracker_mbfirst") else None,
         measure_every="auto" if run.schedule == "tracker_mbfirst_auto" else 1)
     evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
@@ -370,7 +380,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         record_eval(step, tokens)
     result = {
         "name": run.name, "schedule": run.schedule, "seed": run.seed, "lr_schedule": run.lr_schedule,
-        "cap_lr_at_peak": run.cap, "lr_coupling_mode": None if tracker is None else tracker.session.coupling_mode,
+        "cap_lr_at_peak": run.capped, "lr_coupling_mode": None if tracker is None else tracker.session.coupling_mode,
         "final_val_loss": evals["val_loss"][-1], "steps": step, "tokens": tokens,
         "final_batch_tokens": micro_tokens if fast else None if record is None else record.global_batch,
         "lr_conversions": None if record is None else record.lr_conversions,
