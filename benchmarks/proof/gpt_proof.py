@@ -479,6 +479,8 @@ def controller_config(controller: Any) -> dict[str, Any]:
         config["kappa"] = kappa
     if config.get("kappa_rise") == 1.0:  # a fixed kappa: how every record before the option was made
         del config["kappa_rise"]
+    if config.get("convert_until") == 1.0:  # every halving converts: how every record before the option was made
+        del config["convert_until"]
     return dict(sorted(config.items()))
 
 

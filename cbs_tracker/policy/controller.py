@@ -164,8 +164,8 @@ class BatchSizeController:
             ``(B - B0) / (B_simple + B)``), spent so far plus projected for the rest of the run
             at ``2B``, stays at or below ``efficiency_budget`` (for ``patience`` measurements in
             a row). ``None`` (default): the ``kappa`` rule. In ``(0, 1]``.
-        total_tokens: the run's length in units, for ``kappa_rise`` and ``efficiency_budget``
-            (``None``: unknown; ``kappa`` stays fixed). Left ``None``, an adapter sets it from the
+        total_tokens: the run's length in units, for ``kappa_rise``, ``efficiency_budget`` and
+            ``convert_until`` (``None``: unknown; ``kappa`` stays fixed). Left ``None``, an adapter sets it from the
             run's own length (:meth:`set_run_length`); given, it wins over the adapter's.
 
         allow_shrink: allow halving when the target falls well below the batch. Default
@@ -193,6 +193,11 @@ class BatchSizeController:
         conversion_kappa: the conversions' bound as a multiple of the measured noise
             scale (default 1: ``B_simple`` itself, above the ``kappa * B_simple`` that
             growth follows, so that a halving has room to convert).
+        convert_until: a halving of the scheduled LR that comes after this fraction of the run's
+            length (``total_tokens``, or the length an adapter gives) is not converted: the LR
+            decays as scheduled. A doubling late in the run saves few steps (its remaining tokens at
+            twice the batch) while the LR it keeps high is the run's final anneal. Default 1 (every
+            halving converts). In ``(0, 1]``; without the run's length every halving converts (said once).
         feedback_guard: detect the feedback trap (the noise scale follows the batch)
             and stop growing there. Default ``True``.
         feedback_ratio: a doubling follows the batch when, after it, the median noise
@@ -239,6 +244,7 @@ class BatchSizeController:
         warmup_tokens: float | None = None,
         cooldown_tokens: float | None = None,
         conversion_kappa: float = 1.0,
+        convert_until: float = 1.0,
         feedback_guard: bool = True,
         feedback_ratio: float = 1.4,
         feedback_strikes: int = 2,
@@ -257,6 +263,10 @@ class BatchSizeController:
             warnings.warn(f"BatchSizeController(kappa_rise={kappa_rise!r}) is ignored: kappa is a measured "
                           "KappaSchedule, used as given.", UserWarning, stacklevel=2)
         _check_number("conversion_kappa", conversion_kappa)
+        _check_number("convert_until", convert_until)
+        if convert_until > 1.0:
+            raise ValueError(f"BatchSizeController(convert_until={convert_until!r}): must be in (0, 1] (the fraction "
+                             "of the run's length after which a halving of the scheduled LR is not converted)")
         _check_number("efficiency_budget", efficiency_budget, allow_none=True)
         _check_number("total_tokens", total_tokens, allow_none=True)
         if efficiency_budget is not None and allow_shrink:
@@ -335,6 +345,7 @@ class BatchSizeController:
         self.plan_floor_ratio = float(plan_floor_ratio)
         self.convert_lr_decay = convert_lr_decay
         self.conversion_kappa = float(conversion_kappa)
+        self.convert_until = float(convert_until)
         self.efficiency_budget = None if efficiency_budget is None else float(efficiency_budget)
         self.total_tokens = None if total_tokens is None else float(total_tokens)
         self._applied_length: float | None = None  # set_run_length's value total_tokens took last
@@ -397,7 +408,7 @@ class BatchSizeController:
     # ------------------------------------------------------------ run length
     def set_run_length(self, units: float) -> None:
         """The run's length in units (all data-parallel ranks), as an adapter learns it: ``total_tokens``
-        for ``kappa_rise`` and ``efficiency_budget``.
+        for ``kappa_rise``, ``efficiency_budget`` and ``convert_until``.
 
         Adapters call it (when the controller has it) with the length of the run they drive: a
         plain loop's ``tracker.done(steps=...)`` times the starting global batch, a Trainer's
@@ -617,6 +628,8 @@ class BatchSizeController:
             self._warn_no_run_length(now, "efficiency_budget")
         if self.total_tokens is None and self._kappa_schedule is None and self.kappa_rise != 1.0:
             self._warn_no_run_length(now, "kappa_rise")
+        if self.total_tokens is None and self.convert_lr_decay and self.convert_until < 1.0:
+            self._warn_no_run_length(now, "convert_until")
         for rule in (self._wait_or_follow_plan, self._check_last_doubling, self._convert_lr_halving):
             decision = rule(now)
             if decision is not None:
@@ -732,6 +745,10 @@ class BatchSizeController:
             return None
         doubled = level.batch(level.exponent + 1)
         why_not = rules.why_not_grow(level)
+        late = self.total_tokens is not None and now.tokens > self.convert_until * self.total_tokens
+        if why_not is None and late:
+            why_not = (f"past convert_until={self.convert_until:g} of the run: {now.tokens:.4g} of "
+                       f"{self.total_tokens:.4g} units")
         if why_not is None and self._guard.tripped:
             why_not = "feedback trap: the noise scale does not measure the critical batch"
         if why_not is None and not rules.supports(doubled, now.low, kappa=self.conversion_kappa):
@@ -821,12 +838,16 @@ class BatchSizeController:
 
     def _warn_no_run_length(self, now: _Now, option: str) -> None:
         """An option that needs the run's length, without it (``efficiency_budget``: the ``kappa`` rule decides;
-        ``kappa_rise``: ``kappa`` stays at its start); said once per option, past warm-up."""
+        ``kappa_rise``: ``kappa`` stays at its start; ``convert_until``: every halving converts); said once per
+        option, past warm-up."""
         if option in self._warned_no_run_length or self._rules.waiting(self._level, now.tokens) == "warm-up":
             return
         self._warned_no_run_length.add(option)
         if option == "efficiency_budget":
             given, effect, or_else = f"efficiency_budget={self.efficiency_budget:g}", "the kappa rule decides growth", ""
+        elif option == "convert_until":
+            given, effect = f"convert_until={self.convert_until:g}", "every halving of the scheduled LR converts"
+            or_else = ", or set convert_until=1"
         else:
             given = f"kappa_rise={self.kappa_rise:g}"
             effect = (f"kappa stays at {self._kappa_start:g} instead of rising to "
