@@ -52,13 +52,13 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
-             "tracker_kappa04_convert_until085")
+             "tracker_kappaNN[_MM]_convert_untilNNN")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
-#: the default (``kappa=0.4`` with the conversion) converting only the halvings before this fraction of the
-#: run's length (``convert_until``)
-CONVERT_UNTIL = {"tracker_kappa04_convert_until085": 0.85}
+#: ``tracker_kappa04_convert_until085``, ``tracker_kappa04_08_convert_until085``: the run schedule named before
+#: ``_until`` converting only the halvings of the scheduled LR before 0.85 of the run (``convert_until``)
+_UNTIL_RUN = re.compile(r"(tracker_\w+_convert)_until(\d)(\d\d)")
 #: ``tracker_kappa03``, ``tracker_kappa07``, ...: the default controller at ``kappa = NN / 10``;
 #: ``tracker_kappa04_convert``: the same with ``convert_lr_decay=True``
 _KAPPA_RUN = re.compile(r"tracker_kappa(\d)(\d)(_convert)?")
@@ -169,10 +169,14 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     if run.schedule == "tracker_library_default":
         # the library's default as a user gets it, with the run's length (an adapter gives it)
         return BatchSizeController(total_tokens=setting.budget_tokens)
-    if run.schedule in CONVERT_UNTIL:
-        # the default with late halvings of the scheduled LR left to decay (convert_until of the run's length)
-        return BatchSizeController(kappa=0.4, kappa_rise=1.0, convert_lr_decay=True,
-                                   convert_until=CONVERT_UNTIL[run.schedule], total_tokens=setting.budget_tokens)
+    until_run = _UNTIL_RUN.fullmatch(run.schedule)
+    if until_run is not None:
+        # late halvings of the scheduled LR left to decay (convert_until of the run's length, which it is given)
+        controller = make_controller(replace(run, schedule=until_run.group(1)), setting)
+        controller.convert_until = int(until_run.group(2)) + int(until_run.group(3)) / 100
+        if controller.total_tokens is None:
+            controller.total_tokens = setting.budget_tokens
+        return controller
     if run.schedule == "tracker_kappa04":
         return BatchSizeController(kappa=0.4, kappa_rise=1.0, convert_lr_decay=False)
     if run.schedule == "tracker_measured":
