@@ -111,12 +111,14 @@ def test_the_run_length_an_adapter_gives_counts_and_without_one_every_halving_co
     assert "Pass total_tokens=" in said[0]
 
 
-def test_no_warning_when_the_option_is_off_or_the_length_is_known():
-    for ctrl in (controller(), controller(convert_until=0.85, total_tokens=TOTAL),
-                 controller(convert_until=0.85, convert_lr_decay=False)):
+def test_no_warning_when_the_option_is_off_the_length_known_or_the_lr_never_halves():
+    constant = lambda fraction: 1.0  # noqa: E731
+    for ctrl, schedule in ((controller(), wsd), (controller(convert_until=0.85, total_tokens=TOTAL), wsd),
+                           (controller(convert_until=0.85, convert_lr_decay=False), wsd),
+                           (controller(convert_until=0.85), constant)):  # no length, but nothing to convert
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run(ctrl, wsd)
+            run(ctrl, schedule)
         assert not [w for w in caught if "convert_until" in str(w.message)]
 
 

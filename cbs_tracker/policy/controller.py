@@ -197,7 +197,8 @@ class BatchSizeController:
             length (``total_tokens``, or the length an adapter gives) is not converted: the LR
             decays as scheduled. A doubling late in the run saves few steps (its remaining tokens at
             twice the batch) while the LR it keeps high is the run's final anneal. Default 1 (every
-            halving converts). In ``(0, 1]``; without the run's length every halving converts (said once).
+            halving converts). In ``(0, 1]``; without the run's length every halving converts (said at the
+            first).
         feedback_guard: detect the feedback trap (the noise scale follows the batch)
             and stop growing there. Default ``True``.
         feedback_ratio: a doubling follows the batch when, after it, the median noise
@@ -628,8 +629,6 @@ class BatchSizeController:
             self._warn_no_run_length(now, "efficiency_budget")
         if self.total_tokens is None and self._kappa_schedule is None and self.kappa_rise != 1.0:
             self._warn_no_run_length(now, "kappa_rise")
-        if self.total_tokens is None and self.convert_lr_decay and self.convert_until < 1.0:
-            self._warn_no_run_length(now, "convert_until")
         for rule in (self._wait_or_follow_plan, self._check_last_doubling, self._convert_lr_halving):
             decision = rule(now)
             if decision is not None:
@@ -743,6 +742,8 @@ class BatchSizeController:
         waiting = rules.waiting(level, now.tokens)
         if (waiting is not None and waiting != "cool-down") or self._guard.armed:
             return None
+        if self.total_tokens is None and self.convert_until < 1.0:
+            self._warn_no_run_length(now, "convert_until")  # said at the first halving: only then it matters
         doubled = level.batch(level.exponent + 1)
         why_not = rules.why_not_grow(level)
         late = self.total_tokens is not None and now.tokens > self.convert_until * self.total_tokens
