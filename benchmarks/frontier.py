@@ -6,18 +6,21 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Four settings unlike each other (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Five settings unlike each other (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
 minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes), ``synth`` (4 layers x 64,
 context 32, peak LR 3e-3, a synthetic word-chain language of known entropy, 1M tokens from 128-token
 batches, about 2 minutes) and ``heldout`` (3 layers x 80, context 48, peak LR 3e-3, the code corpus, 1M tokens
-from 192-token batches, about 1.5 minutes, run only after a candidate was chosen on the other three); the
-first two chose the default, ``synth`` and ``heldout`` only judge. Rules (``RULES``):
+from 192-token batches, about 1.5 minutes, run only after a candidate was chosen on the other three) and ``wide``
+(2 layers x 112, context 96, peak LR 1.5e-3, the docstrings, 1M tokens from 192-token batches, run only after
+``convert_until`` was chosen on the other four); the first two chose the default, the others only judge.
+Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.3`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
 the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the controller with
-``convert_lr_decay``: the default, ``DEFAULT_RULE``; ``+peak``: with ``cap_lr_at_peak=True``), ``kappaA-B+convert`` (``kappa`` rising from A to B
+``convert_lr_decay``: the default, ``DEFAULT_RULE``; ``+peak``: with ``cap_lr_at_peak=True``; ``-until0.85``:
+halvings after 0.85 of the run not converted, ``convert_until=0.85``), ``kappaA-B+convert`` (``kappa`` rising from A to B
 over the budget: ``BatchSizeController(kappa=A, kappa_rise=B/A)``), ``eff0.08`` / ``eff0.12`` (the
 efficiency budget, ``efficiency_budget`` with the setting's budget as ``total_tokens``, no conversion), ``measured`` / ``cooled`` (``kappa`` from branches
 without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4,
@@ -77,7 +80,7 @@ SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert"
 #: panels left to right: the two settings that chose the default, then the two that only judged it
-SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3}
+SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom
