@@ -148,12 +148,23 @@ def calibration_tokens(run: Run, setting: base.Setting) -> float:
 
 
 def make_controller(run: Run, setting: base.Setting) -> Any:
+    """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
+    as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
+    only ``tracker_library_default`` takes the library's defaults as they are."""
+    controller = _controller_of(run, setting)
+    if (controller is not None and hasattr(controller, "convert_until") and run.schedule != "tracker_library_default"
+            and _UNTIL_RUN.fullmatch(run.schedule) is None):
+        controller.convert_until = 1.0
+    return controller
+
+
+def _controller_of(run: Run, setting: base.Setting) -> Any:
     from cbs_tracker.policy.controller import BatchSizeController
 
     if run.schedule in ("constant", "constant_fast"):
         return None
     if run.schedule in PEAK_CAPPED:
-        return make_controller(replace(run, schedule=PEAK_CAPPED[run.schedule]), setting)
+        return _controller_of(replace(run, schedule=PEAK_CAPPED[run.schedule]), setting)
     # the rules keep the defaults they were named under (base.EARLIER_DEFAULTS: kappa 0.5, no
     # conversion), whatever the library's, so their stored results keep their meaning
     earlier = base.EARLIER_DEFAULTS
@@ -172,7 +183,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     until_run = _UNTIL_RUN.fullmatch(run.schedule)
     if until_run is not None:
         # late halvings of the scheduled LR left to decay (convert_until of the run's length, which it is given)
-        controller = make_controller(replace(run, schedule=until_run.group(1)), setting)
+        controller = _controller_of(replace(run, schedule=until_run.group(1)), setting)
         controller.convert_until = int(until_run.group(2)) + int(until_run.group(3)) / 100
         if controller.total_tokens is None:
             controller.total_tokens = setting.budget_tokens
