@@ -80,7 +80,7 @@ def test_only_the_halvings_before_convert_until_convert(schedule, until, expecte
     for at, halving, after in zip(made, halvings, halvings[1:] + [1.0]):
         assert halving <= at < after, (made, halvings)
     # against every halving converting: the early ones are the same, only the late ones are gone
-    everything, _ = run(controller(total_tokens=TOTAL), schedule)
+    everything, _ = run(controller(convert_until=1.0, total_tokens=TOTAL), schedule)
     assert conversions(everything)[:expected] == made
 
 
@@ -113,7 +113,7 @@ def test_the_run_length_an_adapter_gives_counts_and_without_one_every_halving_co
 
 def test_no_warning_when_the_option_is_off_the_length_known_or_the_lr_never_halves():
     constant = lambda fraction: 1.0  # noqa: E731
-    for ctrl, schedule in ((controller(), wsd), (controller(convert_until=0.85, total_tokens=TOTAL), wsd),
+    for ctrl, schedule in ((controller(convert_until=1.0), wsd), (controller(convert_until=0.85, total_tokens=TOTAL), wsd),
                            (controller(convert_until=0.85, convert_lr_decay=False), wsd),
                            (controller(convert_until=0.85), constant)):  # no length, but nothing to convert
         with warnings.catch_warnings(record=True) as caught:
