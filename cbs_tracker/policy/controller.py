@@ -124,9 +124,9 @@ class BatchSizeController:
         kappa: the target batch is ``kappa * B_simple`` (``B_simple`` approximates the
             critical batch ``B_noise``, where a run needs about twice the minimal data;
             at a fixed budget the loss-optimal batch sits below it). Default 0.4, with
-            ``convert_lr_decay``: the rule that ended at or below the constant batch's final
-            loss on two small GPTs under a cosine schedule (``kappa=0.5`` without conversion,
-            the earlier default, ended above it on one). A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
+            ``convert_lr_decay`` up to ``convert_until=0.85``: chosen on small GPTs under cosine and
+            warmup-stable-decay schedules (results.md; ``kappa=0.5`` without conversion is the
+            earlier default). A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
             list of ``(tokens, kappa)`` pairs) gives a *measured* ``kappa`` that moves with
             the units seen, as a branched calibration reports it
             (:meth:`cbs_tracker.calibrate.Calibration.kappa_schedule`).
@@ -147,9 +147,9 @@ class BatchSizeController:
         convert_lr_decay: turn each halving of ``scheduled_lr`` (passed to
             :meth:`update`) into a doubling of the batch, while the doubled batch stays
             at or below ``conversion_kappa * B_simple`` and the caps; beyond that the LR
-            decays as scheduled. Default ``True``. Without a scheduled LR (``None``, as
-            an adapter passes when it has no optimizer) or with one that never halves (a
-            constant LR) it does nothing. A state saved without a scheduled-LR reference
+            decays as scheduled, as it always does from ``convert_until`` of the run on.
+            Default ``True``. Without a scheduled LR (``None``, as an adapter passes when it
+            has no optimizer) or with one that never halves (a constant LR) it does nothing. A state saved without a scheduled-LR reference
             (``convert_lr_decay=False``, the earlier default) loads: its halvings count from
             the scheduled LR at resume, with a warning.
         budget_tokens: the planned total units of the run. ``None`` (default):
@@ -196,8 +196,8 @@ class BatchSizeController:
         convert_until: a halving of the scheduled LR that comes after this fraction of the run's
             length (``total_tokens``, or the length an adapter gives) is not converted: the LR
             decays as scheduled. A doubling late in the run saves few steps (its remaining tokens at
-            twice the batch) while the LR it keeps high is the run's final anneal. Default 1 (every
-            halving converts). In ``(0, 1]``; without the run's length every halving converts (said at the
+            twice the batch) while the LR it keeps high is the run's final anneal: under
+            warmup-stable-decay every halving falls there. Default 0.85 (1: every halving converts). In ``(0, 1]``; without the run's length every halving converts (said at the
             first).
         feedback_guard: detect the feedback trap (the noise scale follows the batch)
             and stop growing there. Default ``True``.
@@ -245,7 +245,7 @@ class BatchSizeController:
         warmup_tokens: float | None = None,
         cooldown_tokens: float | None = None,
         conversion_kappa: float = 1.0,
-        convert_until: float = 1.0,
+        convert_until: float = 0.85,
         feedback_guard: bool = True,
         feedback_ratio: float = 1.4,
         feedback_strikes: int = 2,
