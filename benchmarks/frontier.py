@@ -19,8 +19,9 @@ Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.3`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
 the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the controller with
-``convert_lr_decay``: the default, ``DEFAULT_RULE``; ``+peak``: with ``cap_lr_at_peak=True``; ``-until0.85``:
-halvings after 0.85 of the run not converted, ``convert_until=0.85``), ``kappaA-B+convert`` (``kappa`` rising from A to B
+``convert_lr_decay``, every halving converted: the default until ``convert_until``; ``+peak``: with
+``cap_lr_at_peak=True``; ``-until0.85``: halvings after 0.85 of the run not converted, ``convert_until=0.85``:
+the default, ``DEFAULT_RULE``), ``kappaA-B+convert`` (``kappa`` rising from A to B
 over the budget: ``BatchSizeController(kappa=A, kappa_rise=B/A)``), ``eff0.08`` / ``eff0.12`` (the
 efficiency budget, ``efficiency_budget`` with the setting's budget as ``total_tokens``, no conversion), ``measured`` / ``cooled`` (``kappa`` from branches
 without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4,
@@ -78,7 +79,7 @@ RULES = {
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
-DEFAULT_RULE = "kappa0.4+convert"
+DEFAULT_RULE = "kappa0.4+convert-until0.85"
 #: panels left to right: the two settings that chose the default, then the two that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4}
 DOC = ROOT / "docs" / "frontier.json"

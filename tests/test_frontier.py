@@ -187,14 +187,14 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
 
 
 def test_the_default_rule_is_the_librarys_default_controller_and_only_its_points_are_marked(frontier):
-    """``DEFAULT_RULE`` trains with ``BatchSizeController()`` as a user gets it (same public settings), and the
-    points mark it and nothing else as the default."""
+    """``DEFAULT_RULE`` trains with ``BatchSizeController()`` as a user gets it from an adapter, which gives it the
+    run's length (same public settings), and the points mark it and nothing else as the default."""
     from cbs_tracker.policy.controller import BatchSizeController
 
     setting = frontier.base.SETTINGS["full"]
     run = frontier.proof_lr.Run(frontier.RULES[frontier.DEFAULT_RULE], 0, "cosine")
     made = frontier.base.controller_config(frontier.proof_lr.make_controller(run, setting))
-    assert made == frontier.base.controller_config(BatchSizeController())
+    assert made == frontier.base.controller_config(BatchSizeController(total_tokens=setting.budget_tokens))
     runs = [_run("constant", 0, 1.3, 100), _run(frontier.DEFAULT_RULE, 0, 1.31, 50), _run("kappa0.5", 0, 1.2, 40)]
     marked = {p["rule"]: p["default"] for p in frontier.points(runs)}
     assert marked == {frontier.DEFAULT_RULE: True, "kappa0.5": False}
