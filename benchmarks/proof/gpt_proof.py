@@ -219,7 +219,8 @@ HELDOUT = Setting(
 #: A fifth setting, held out: defined and run only after ``convert_until=0.85`` (late halvings of the scheduled LR
 #: not converted) had been chosen on the other four, to judge it where it was not chosen. The prose corpus (the
 #: standard library's docstrings) on a GPT unlike prose's: 2 layers x 112, context 96, peak LR 1.5e-3,
-#: 192-token starting batches, 1M tokens.
+#: 192-token starting batches of two 96-token microbatches, 1M tokens. (Its first definition, with one 192-token
+#: microbatch per step, left the tracker nothing to measure, K = 1: its runs never grew and were discarded.)
 WIDE = Setting(
     name="wide",
     budget_tokens=2**20,
@@ -232,8 +233,8 @@ WIDE = Setting(
     warmup_tokens=40_000,
     weight_decay=0.1,
     clip=1.0,
-    micro_sequences=2,
-    tracker_micro_sequences=2,
+    micro_sequences=1,
+    tracker_micro_sequences=1,
     tracker_start_tokens=192,
     constants=(192,),
     ramp=((768, 0.5), (1536, 0.25), (3072, 0.15), (6144, 0.10)),
