@@ -337,6 +337,9 @@ def test_the_readme_states_the_growth_rule_the_controller_applies():
     assert (patience, window, filled, kappa) == (defaults["patience"], defaults["window"], defaults["window"],
                                                  defaults["kappa"])
     assert margin / 100 == pytest.approx(defaults["margin"])
+    late = re.search(r"turns each halving of the scheduled LR before the last (\d+)% of the run into a doubling", text)
+    assert late, "the README's statement of the LR-decay conversion moved or changed form"
+    assert int(late.group(1)) / 100 == pytest.approx(1 - defaults["convert_until"])
 
     def first_doubling(below: int) -> int:
         """The reading at which the default controller (no warm-up) doubles from B = 8: ``below`` readings
