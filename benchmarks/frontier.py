@@ -187,14 +187,15 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     for col, setting in enumerate(settings):
         for row, schedule in enumerate(("cosine", "wsd")):
             ax = axes[row][col]
+            above = 0  # points drawn at the top edge so far: each one's label one line below the last
             for p in (p for p in pts if p["setting"] == setting and p["schedule"] == schedule):
                 up = None if p["delta_upper90"] is None else [[0.0], [p["delta_upper90"] - p["delta_mean"]]]
                 star = p["rule"] == DEFAULT_RULE
                 x, y = 100 * p["steps_saved"], p["delta_mean"]
                 if y > top:
-                    ax.annotate(f"{p['rule']} {y:+.3f}", (x, top), textcoords="offset points", xytext=(-30, -12),
-                                fontsize=7, color=colours[p["rule"]])
-                    y, up = top, None
+                    ax.annotate(f"{p['rule']} {y:+.3f}", (x, top), textcoords="offset points",
+                                xytext=(-30, -12 - 9 * above), fontsize=7, color=colours[p["rule"]])
+                    y, up, above = top, None, above + 1
                 ax.errorbar(x, y, yerr=up, fmt=shapes[p["rule"]], markersize=14 if star else 6, capsize=3,
                             color=colours[p["rule"]], markeredgecolor="black" if star else colours[p["rule"]],
                             alpha=1.0 if len(p["seeds"]) >= 4 else 0.45, zorder=3 if star else 2)
