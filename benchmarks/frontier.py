@@ -187,14 +187,14 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     for col, setting in enumerate(settings):
         for row, schedule in enumerate(("cosine", "wsd")):
             ax = axes[row][col]
-            above = 0  # points drawn at the top edge so far: each one's label one line below the last
+            above = 0  # points drawn at the top edge so far: their labels stack down the panel's left side
             for p in (p for p in pts if p["setting"] == setting and p["schedule"] == schedule):
                 up = None if p["delta_upper90"] is None else [[0.0], [p["delta_upper90"] - p["delta_mean"]]]
                 star = p["rule"] == DEFAULT_RULE
                 x, y = 100 * p["steps_saved"], p["delta_mean"]
                 if y > top:
-                    ax.annotate(f"{p['rule']} {y:+.3f}", (x, top), textcoords="offset points",
-                                xytext=(-30, -12 - 9 * above), fontsize=7, color=colours[p["rule"]])
+                    ax.annotate(f"↑ {p['rule']} {y:+.3f} at {x:.0f}%", (0.02, 0.93 - 0.075 * above),
+                                xycoords="axes fraction", fontsize=7, color=colours[p["rule"]])
                     y, up, above = top, None, above + 1
                 ax.errorbar(x, y, yerr=up, fmt=shapes[p["rule"]], markersize=14 if star else 6, capsize=3,
                             color=colours[p["rule"]], markeredgecolor="black" if star else colours[p["rule"]],
