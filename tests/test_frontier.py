@@ -163,6 +163,10 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     earlier, now = by[("full", "wsd", "kappa0.4+convert")], by[("full", "wsd", rule)]  # what the limit changed
     assert f"proof GPT under warmup-stable-decay {said(now)[0]} against {said(earlier)[0]} nats" in readme
     saved = [round(100 * p["steps_saved"]) for p in mine]
+    (wc, wcu, _), (ww, wwu, _) = (said(by[("wide", sch, rule)]) for sch in ("cosine", "wsd"))  # the known limits
+    assert f"where it ended {wc} nats (upper end {wcu}) under cosine and {ww} ({wwu}) under warmup-stable-decay" in text
+    eff = [f"{by[('wide', sch, 'eff0.08')]['delta_mean']:+.3f}" for sch in ("cosine", "wsd")]
+    assert f"`efficiency_budget=0.08`, {eff[0]} and {eff[1]})" in text
     assert f"keeps the loss on {kept} of 10 (upper end ≤ +0.005 nats); {min(saved)}–{max(saved)}% fewer steps" in rows[0]
     for text_ in (readme, *rows):  # every loss difference is a point's mean or upper end, every share one of its
         assert set(re.findall(r"[+−]\d\.\d{3}", text_)) <= deltas | uppers, text_

@@ -433,7 +433,7 @@ class LoopTracker:
         accelerator); ``steps`` and ``microbatches`` never wait. When it returns ``True``, the
         records still waiting for their counts are filled and logged.
 
-        The budget is also the run's length for a controller's efficiency budget and kappa_rise
+        The budget is also the run's length for a controller's efficiency budget, kappa_rise and convert_until
         (:meth:`~cbs_tracker.policy.controller.BatchSizeController.set_run_length`, where the
         controller's ``total_tokens`` is ``None``): ``steps`` times the starting global batch,
         ``microbatches`` times the units of one loader batch and the ranks, ``tokens`` as is. The

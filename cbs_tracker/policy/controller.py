@@ -125,8 +125,8 @@ class BatchSizeController:
             critical batch ``B_noise``, where a run needs about twice the minimal data;
             at a fixed budget the loss-optimal batch sits below it). Default 0.4, with
             ``convert_lr_decay`` up to ``convert_until=0.85``: chosen on small GPTs under cosine and
-            warmup-stable-decay schedules (results.md; ``kappa=0.5`` without conversion is the
-            earlier default). A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
+            warmup-stable-decay schedules; on a fifth it was not chosen on it ended well above the
+            constant batch (results.md). ``kappa=0.5`` without conversion is the earlier default. A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
             list of ``(tokens, kappa)`` pairs) gives a *measured* ``kappa`` that moves with
             the units seen, as a branched calibration reports it
             (:meth:`cbs_tracker.calibrate.Calibration.kappa_schedule`).
@@ -149,9 +149,10 @@ class BatchSizeController:
             at or below ``conversion_kappa * B_simple`` and the caps; beyond that the LR
             decays as scheduled, as it always does from ``convert_until`` of the run on.
             Default ``True``. Without a scheduled LR (``None``, as an adapter passes when it
-            has no optimizer) or with one that never halves (a constant LR) it does nothing. A state saved without a scheduled-LR reference
-            (``convert_lr_decay=False``, the earlier default) loads: its halvings count from
-            the scheduled LR at resume, with a warning.
+            has no optimizer) or with one that never halves (a constant LR) it does nothing.
+            A state saved without a scheduled-LR reference (``convert_lr_decay=False``, the
+            earlier default) loads: its halvings count from the scheduled LR at resume, with a
+            warning.
         budget_tokens: the planned total units of the run. ``None`` (default):
             budget-unaware. When set, the batch never falls below the power-of-two plan
             of :func:`cbs_tracker.theory.schedule.plan_doubling` (built at the first
@@ -165,8 +166,8 @@ class BatchSizeController:
             at ``2B``, stays at or below ``efficiency_budget`` (for ``patience`` measurements in
             a row). ``None`` (default): the ``kappa`` rule. In ``(0, 1]``.
         total_tokens: the run's length in units, for ``kappa_rise``, ``efficiency_budget`` and
-            ``convert_until`` (``None``: unknown; ``kappa`` stays fixed). Left ``None``, an adapter sets it from the
-            run's own length (:meth:`set_run_length`); given, it wins over the adapter's.
+            ``convert_until`` (``None``: unknown; ``kappa`` stays fixed, every halving converts).
+            Left ``None``, an adapter sets it from the run's own length (:meth:`set_run_length`); given, it wins over the adapter's.
 
         allow_shrink: allow halving when the target falls well below the batch. Default
             ``False``.
@@ -197,8 +198,9 @@ class BatchSizeController:
             length (``total_tokens``, or the length an adapter gives) is not converted: the LR
             decays as scheduled. A doubling late in the run saves few steps (its remaining tokens at
             twice the batch) while the LR it keeps high is the run's final anneal: under
-            warmup-stable-decay every halving falls there. Default 0.85 (1: every halving converts). In ``(0, 1]``; without the run's length every halving converts (said at the
-            first).
+            warmup-stable-decay every halving falls there. Default 0.85 (1: every halving
+            converts). In ``(0, 1]``; without the run's length every halving converts (said at
+            the first halving).
         feedback_guard: detect the feedback trap (the noise scale follows the batch)
             and stop growing there. Default ``True``.
         feedback_ratio: a doubling follows the batch when, after it, the median noise
