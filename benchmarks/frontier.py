@@ -194,7 +194,8 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
                 x, y = 100 * p["steps_saved"], p["delta_mean"]
                 if y > top:
                     ax.annotate(f"↑ {p['rule']} {y:+.3f} at {x:.0f}%", (0.02, 0.93 - 0.075 * above),
-                                xycoords="axes fraction", fontsize=7, color=colours[p["rule"]])
+                                xycoords="axes fraction", fontsize=7, color=colours[p["rule"]], zorder=5,
+                                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 0.5})
                     y, up, above = top, None, above + 1
                 ax.errorbar(x, y, yerr=up, fmt=shapes[p["rule"]], markersize=14 if star else 6, capsize=3,
                             color=colours[p["rule"]], markeredgecolor="black" if star else colours[p["rule"]],
