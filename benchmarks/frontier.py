@@ -68,6 +68,7 @@ RULES = {
     "kappa0.4+convert+peak": "tracker_kappa04_convert_peak",
     "kappa0.4+convert-until0.85": "tracker_kappa04_convert_until085",
     "kappa0.4-0.8+convert-until0.85": "tracker_kappa04_08_convert_until085",
+    "kappa0.4+convert-until0.85+linear": "tracker_kappa04_convert_until085_linear",
     "kappa0.5+convert": "tracker_convert",
     "kappa0.4-0.8+convert": "tracker_kappa04_08_convert",
     "kappa0.4-1.2+convert": "tracker_kappa04_12_convert",

@@ -52,7 +52,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
-             "tracker_kappaNN[_MM]_convert_untilNNN")
+             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -68,6 +68,9 @@ _KAPPA_RAMP_RUN = re.compile(r"tracker_kappa(\d)(\d)_(\d)(\d)(_convert)?")
 #: ``tracker_eff008``: growth spending an efficiency budget of 0.08 of the run's tokens (``efficiency_budget``,
 #: ``total_tokens`` the setting's budget), no LR-decay conversion
 _EFF_RUN = re.compile(r"tracker_eff(\d)(\d\d)")
+#: ``tracker_kappa04_convert_until085_linear``: the rule it names with the LR coupled linearly to the batch
+#: (``lr_scaling="linear"``: LR x 2 per doubling) in place of the square root Adam gets by default
+_LINEAR_RUN = re.compile(r"(tracker_\w+)_linear")
 #: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
 COOLED_KAPPA = {name: base.ROOT / "docs" / f"calibration_cooled_{name}_seed0.json"
                 for name in ("full", "prose")}
@@ -151,6 +154,11 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
     only ``tracker_library_default`` takes the library's defaults as they are."""
+    linear_run = _LINEAR_RUN.fullmatch(run.schedule)
+    if linear_run is not None:
+        controller = make_controller(replace(run, schedule=linear_run.group(1)), setting)
+        controller.lr_scaling = "linear"  # an explicit controller setting wins over the tracker's "auto"
+        return controller
     controller = _controller_of(run, setting)
     if (controller is not None and hasattr(controller, "convert_until") and run.schedule != "tracker_library_default"
             and _UNTIL_RUN.fullmatch(run.schedule) is None):
