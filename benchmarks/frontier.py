@@ -16,7 +16,7 @@ from 192-token batches, about 1.5 minutes, run only after a candidate was chosen
 (2 layers x 112, context 96, peak LR 1.5e-3, the docstrings, 1M tokens from 192-token batches, run only after
 ``convert_until`` was chosen on the other four); the first two chose the default, the others only judge.
 Rules (``RULES``):
-``constant`` (the setting's starting batch throughout), ``kappa0.3`` ... ``kappa0.7`` (the controller
+``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
 the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the controller with
 ``convert_lr_decay``, every halving converted: the default until ``convert_until``; ``+peak``: with
@@ -58,6 +58,7 @@ ROOT = base.ROOT
 #: frontier rule -> the run schedule of ``benchmarks/proof/gpt_proof_lr.py``
 RULES = {
     "constant": "constant",
+    "kappa0.2": "tracker_kappa02",
     "kappa0.3": "tracker_kappa03",
     "kappa0.4": "tracker_kappa04",
     "kappa0.5": "tracker_default",
