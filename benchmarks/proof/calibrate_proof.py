@@ -26,11 +26,12 @@ from . import gpt_proof as base
 #: the second setting: a narrower, twice as deep GPT at half the context (64 tokens, 4-sequence
 #: microbatches: the same 256-token microbatch), about the same cost per token on a CPU
 DEEP = replace(base.FULL, name="deep", seq_len=64, n_layer=4, d_model=96, n_head=3, tracker_micro_sequences=4)
-SETTINGS = {"full": base.FULL, "deep": DEEP, "quick": base.QUICK, "prose": base.PROSE, "wide": base.WIDE}
+SETTINGS = {"full": base.FULL, "deep": DEEP, "quick": base.QUICK, "prose": base.PROSE, "wide": base.WIDE,
+            "heldout": base.HELDOUT}
 CHECKPOINTS = {"full": (250_000, 500_000, 1_000_000, 2_000_000), "deep": (250_000, 500_000, 1_000_000, 2_000_000),
                "quick": (8192, 16384), "prose": (250_000, 500_000, 1_000_000),
-               "wide": (100_000, 250_000, 500_000)}
-BRANCH_TOKENS = {"full": 262_144, "deep": 262_144, "quick": 4096, "prose": 131_072, "wide": 65_536}
+               "wide": (100_000, 250_000, 500_000), "heldout": (100_000, 250_000, 500_000)}
+BRANCH_TOKENS = {"full": 262_144, "deep": 262_144, "quick": 4096, "prose": 131_072, "wide": 65_536, "heldout": 65_536}
 
 
 def _num(x: float | None, spec: str = ",.0f") -> str:
