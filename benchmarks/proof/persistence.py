@@ -1,0 +1,114 @@
+"""Does the gradient the noise scale calls signal persist from one step to the next?
+
+The tracker's ``|G|^2`` comes from the microbatches of one step: with two of them, ``g1 . g2`` is an unbiased
+estimate of ``|G(w_t)|^2``. A gradient that flips from step to step (the weights bouncing across a sharp
+valley) counts there as signal although it moves the run nowhere. Across steps, ``g_t . g_{t+1}`` (independent
+data) estimates ``G(w_t) . G(w_{t+1})``. Their ratio over a stretch of steps,
+
+    persistence = mean(g_t . g_{t+1}) / mean(g1_t . g2_t),
+
+is near 1 where the gradient moves slowly and near 0 (or below) where it oscillates. This trains the frontier's
+constant run (as ``gpt_proof_lr.py``: AdamW, the setting's LR schedule and starting batch, the gradients taken
+before clipping) and prints the ratio over each of ``--marks`` stretches of the first ``--until`` of the run.
+
+    python -m benchmarks.proof.persistence --setting wide --seed 0 --out docs/persistence.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from . import gpt_proof as base
+from . import gpt_proof_lr as proof_lr
+
+
+def persistence(within: list[float], across: list[float]) -> float:
+    """``mean(across) / mean(within)``: the step-to-step product over the same-step product of two microbatches."""
+    return (sum(across) / len(across)) / (sum(within) / len(within))
+
+
+def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, until: float,
+            log: Any = print) -> dict[str, Any]:
+    import torch
+
+    from cbs_tracker.demo.corpus import SequenceStream
+    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+
+    torch.set_num_threads(1)
+    corpus = base.load_setting_corpus(setting)
+    start = setting.constant_tokens or proof_lr.BASELINE_TOKENS
+    micro_seqs = setting.tracker_micro_sequences
+    accumulation = start // (micro_seqs * setting.seq_len)
+    if accumulation != 2:
+        raise ValueError(f"--setting {setting.name}: {accumulation} microbatches a step; this measures two")
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
+                          n_head=setting.n_head))
+    optimizer = make_adamw(model, setting.lr, setting.weight_decay)
+    for group in optimizer.param_groups:
+        group["lr"] = setting.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda e: proof_lr.lr_at(setting, lr_schedule, (e + 1) * start) / setting.lr)
+    stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    steps = int(setting.budget_tokens // start * until)
+    per_mark = steps // marks
+    previous = None
+    within: list[float] = []
+    across: list[float] = []
+    points: list[dict[str, Any]] = []
+    for step in range(steps):
+        halves = []
+        for _ in range(accumulation):
+            x, y = stream.next_batch(micro_seqs)
+            _, loss = model(x, y)
+            loss.backward()  # summed: each half is its microbatch's own gradient
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            halves.append(flat - sum(halves) if halves else flat.clone())
+        with torch.no_grad():
+            for p in params:
+                p.grad /= accumulation  # the window's mean, as the frontier trains
+        mean = (halves[0] + halves[1]) / 2
+        within.append(float(halves[0] @ halves[1]))
+        if previous is not None:
+            across.append(float(previous @ mean))
+        previous = mean
+        torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % per_mark == 0:
+            ratio = persistence(within, across)
+            points.append({"step": step + 1, "tokens": (step + 1) * start, "persistence": ratio,
+                           "within": sum(within) / len(within), "across": sum(across) / len(across)})
+            log(f"{setting.name} seed {seed}: to step {step + 1} ({(step + 1) * start:,} tokens), "
+                f"persistence {ratio:.3f}")
+            within, across = [], []
+    return {"setting": setting.name, "setting_key": setting.key(), "seed": seed, "lr_schedule": lr_schedule,
+            "start_batch": start, "library_commit": base._library_commit(), "points": points}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setting", choices=sorted(base.SETTINGS), default="wide")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine")
+    p.add_argument("--marks", type=int, default=10, help="stretches the ratio is taken over (default 10)")
+    p.add_argument("--until", type=float, default=0.5, help="the share of the run trained (default 0.5)")
+    p.add_argument("--out", type=Path, required=True, help="a JSON file; runs of other settings in it are kept")
+    args = p.parse_args(argv)
+    if args.marks < 1 or not 0 < args.until <= 1:
+        p.error("--marks must be >= 1 and --until in (0, 1]")
+    result = measure(base.SETTINGS[args.setting], args.seed, args.schedule, args.marks, args.until)
+    saved = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
+    saved["runs"] = [r for r in saved["runs"] if (r["setting_key"], r["seed"], r["lr_schedule"]) !=
+                     (result["setting_key"], result["seed"], result["lr_schedule"])] + [result]
+    args.out.write_text(json.dumps(saved, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
