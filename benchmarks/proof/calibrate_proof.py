@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                         "none). Points with a cooldown go to <out>/calibration_cooled_<setting>_seed<s>.json")
     p.add_argument("--multiples", type=str, default="0.5,1,2,4,8", help="branch batch multiples (default 0.5,1,2,4,8)")
     p.add_argument("--no-control", action="store_true", help="no LR control branch")
+    p.add_argument("--frozen-microbatches", type=int, default=32,
+                   help="microbatch gradients of the frozen noise scale at each checkpoint (default 32)")
     p.add_argument("--frozen-only", action="store_true",
                    help="measure only the frozen noise scales at the checkpoints (no branches); writes "
                         "<out>/frozen_<setting>_seed<s>.json")
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         lr=s.lr, min_lr_ratio=s.min_lr_ratio, warmup_tokens=s.warmup_tokens, weight_decay=s.weight_decay,
         clip=s.clip, replicates=args.replicates, eval_sequences=s.eval_sequences, max_bytes=s.corpus_max_bytes,
         seed=args.seed, corpus=s.corpus, cooldowns=cooldowns,
-        multiples=tuple(float(x) for x in args.multiples.split(",")), control=not args.no_control)
+        multiples=tuple(float(x) for x in args.multiples.split(",")), control=not args.no_control,
+        frozen_microbatches=args.frozen_microbatches)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     def save(calibration) -> None:
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.frozen_only:
         frozen = calibrate_gpt(c, log=lambda line: print(line, flush=True), frozen_only=True)
-        out = args.out / f"frozen_{s.name}_seed{args.seed}.json"
+        out = args.out / f"frozen_{s.name}_seed{args.seed}{'' if args.frozen_microbatches == 32 else f'_{args.frozen_microbatches}'}.json"
         out.write_text(json.dumps({"setting": s.name, "setting_key": s.key(), "seed": args.seed,
                                    "library_commit": base._library_commit(),
                                    "points": [{"tokens": t, **asdict(f)} for t, f in frozen]}, indent=1))

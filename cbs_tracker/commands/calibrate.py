@@ -49,6 +49,7 @@ class GPTCalibration:
     cooldowns: tuple[float, ...] = (0.0,)  # one measurement per value at each mark, from the same state
     cooldown_shape: str = "sqrt"
     control: bool = True  # the LR control branch at the run's batch
+    frozen_microbatches: int = 32  # microbatch gradients of the frozen noise scale at each mark
 
 
 #: the branches' data streams: seeds that no training stream of a seed below 1000 uses
@@ -122,7 +123,7 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
             copy_model, copy_opt = branch_copy(model, optimizer, None)
             frozen.append((record.tokens_seen, frozen_noise_scale(
                 copy_model, copy_opt, loss_fn=lambda m, b: m(*b)[1], microbatches=iter(data(c.replicates)),
-                microbatch_size=micro_tokens, count=32)))
+                microbatch_size=micro_tokens, count=c.frozen_microbatches)))
             log(f"{record.tokens_seen:,.0f} tokens: frozen {frozen[-1][1]}")
             continue
         for cooldown in c.cooldowns:
@@ -134,7 +135,7 @@ def calibrate_gpt(c: GPTCalibration, *, log: Callable[[str], None] = print,
                 microbatch_size=micro_tokens, branch_tokens=c.branch_tokens, multiples=c.multiples,
                 replicates=c.replicates, epsilon=c.epsilon, lr_schedule=lr_of, clip_grad_norm=c.clip,
                 fuse_microbatches=max(1, 2048 // micro_tokens), seed=c.seed, log=log, cooldown=cooldown,
-                cooldown_shape=c.cooldown_shape, control=c.control, frozen_microbatches=32 if cooldown == c.cooldowns[0] else 0)
+                cooldown_shape=c.cooldown_shape, control=c.control, frozen_microbatches=c.frozen_microbatches if cooldown == c.cooldowns[0] else 0)
             calibration.points.append(point)
             log(f"  {point.total_branch_tokens:,.0f} branch tokens ({point.total_branch_tokens / c.run_tokens:.0%} "
                 f"of a {c.run_tokens:,.0f}-token run), {point.seconds:.0f} s")
