@@ -55,7 +55,9 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, unti
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=seed)
     params = [p for p in model.parameters() if p.requires_grad]
     steps = int(setting.budget_tokens // start * until)
-    per_mark = steps // marks
+    per_mark = steps // marks  # the steps after the last full stretch are trained but not reported
+    if per_mark < 2:
+        raise ValueError(f"marks={marks}: {steps} steps leave fewer than two a stretch")
     previous = None
     within: list[float] = []
     across: list[float] = []

@@ -3,7 +3,7 @@
 On the frontier's settings the constant batch trains as in ``gpt_proof_lr.py`` (AdamW, the setting's LR
 schedule, its starting batch); at ``--marks`` evenly spaced points it measures, over ``--steps``
 consecutive optimizer steps, the update ``d = w_next - w`` against the gradient of one fixed probe batch
-(``--probe`` sequences drawn apart from the training stream) before and after the update:
+(``--probe`` sequences of the training split, drawn with a seed no training stream uses) before and after the update:
 
     a0 = -g(w) . d        (the descent the step was aimed at)
     a1 = -g(w + d) . d    (what is left of it after the step)
@@ -84,6 +84,9 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, step
     probe = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=1_000_003 + seed).next_batch(probe_sequences)
     params = [p for p in model.parameters() if p.requires_grad]
     total_steps = setting.budget_tokens // start
+    spacing = int(total_steps * until) // marks
+    if not 1 <= steps <= spacing:
+        raise ValueError(f"steps={steps}: must be in [1, {spacing}] (the steps between two of the {marks} marks)")
     at = {round(total_steps * until * (i + 1) / marks) - steps for i in range(marks)}
     points: list[dict[str, Any]] = []
     a0s: list[float] = []
