@@ -317,6 +317,25 @@ def train_steps(run: Run, setting: base.Setting, out: Path, others: list[str]) -
         clock.resume()
 
 
+def start_of_run(setting: base.Setting, seed: int, lr_schedule: str, start: int) -> tuple[Any, Any, Any]:
+    """The model (seeded by ``seed``), AdamW at the setting's LR and the LR schedule every run of ``setting`` starts
+    from; the schedule a ``LambdaLR`` sized in optimizer steps of ``start`` tokens, as a user writes it."""
+    import torch
+
+    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
+                          n_head=setting.n_head))
+    optimizer = make_adamw(model, setting.lr, setting.weight_decay)
+    for group in optimizer.param_groups:
+        group["lr"] = setting.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda e: lr_at(setting, lr_schedule, (e + 1) * start) / setting.lr
+    )
+    return model, optimizer, scheduler
+
+
 def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
                 others: list[str]) -> Generator[float, None, dict[str, Any]]:
     import torch
@@ -325,7 +344,6 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     from cbs_tracker.integrations.plain import CBSTracker
 
     from cbs_tracker.demo.corpus import SequenceStream, evaluate
-    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
     torch.set_num_threads(1)
     corpus = base.load_setting_corpus(setting)
@@ -340,16 +358,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     if fast:
         micro_seqs = BASELINE_TOKENS // setting.seq_len  # the whole step as one microbatch
         micro_tokens = micro_seqs * setting.seq_len
-    torch.manual_seed(run.seed)
-    model = GPT(GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
-                          n_head=setting.n_head))
-    optimizer = make_adamw(model, setting.lr, setting.weight_decay)
-    for group in optimizer.param_groups:
-        group["lr"] = setting.lr
-    # what a user writes: a schedule sized in optimizer steps of the starting batch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda e: lr_at(setting, run.lr_schedule, (e + 1) * start) / setting.lr
-    )
+    model, optimizer, scheduler = start_of_run(setting, run.seed, run.lr_schedule, start)
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=run.seed)
     tracker = None if fast else CBSTracker(
         model, optimizer, accumulation_steps=start // micro_tokens, controller=make_controller(run, setting),

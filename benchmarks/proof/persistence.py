@@ -17,12 +17,12 @@ before clipping) and prints the ratio over each of ``--marks`` stretches of the 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from . import gpt_proof as base
 from . import gpt_proof_lr as proof_lr
+from .step_ratio import save_run
 
 
 def persistence(within: list[float], across: list[float]) -> float:
@@ -35,7 +35,6 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, unti
     import torch
 
     from cbs_tracker.demo.corpus import SequenceStream
-    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
     torch.set_num_threads(1)
     corpus = base.load_setting_corpus(setting)
@@ -44,14 +43,7 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, unti
     accumulation = start // (micro_seqs * setting.seq_len)
     if accumulation != 2:
         raise ValueError(f"--setting {setting.name}: {accumulation} microbatches a step; this measures two")
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
-                          n_head=setting.n_head))
-    optimizer = make_adamw(model, setting.lr, setting.weight_decay)
-    for group in optimizer.param_groups:
-        group["lr"] = setting.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda e: proof_lr.lr_at(setting, lr_schedule, (e + 1) * start) / setting.lr)
+    model, optimizer, scheduler = proof_lr.start_of_run(setting, seed, lr_schedule, start)
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=seed)
     params = [p for p in model.parameters() if p.requires_grad]
     steps = int(setting.budget_tokens // start * until)
@@ -105,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.marks < 1 or not 0 < args.until <= 1:
         p.error("--marks must be >= 1 and --until in (0, 1]")
     result = measure(base.SETTINGS[args.setting], args.seed, args.schedule, args.marks, args.until)
-    saved = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
-    saved["runs"] = [r for r in saved["runs"] if (r["setting_key"], r["seed"], r["lr_schedule"]) !=
-                     (result["setting_key"], result["seed"], result["lr_schedule"])] + [result]
-    args.out.write_text(json.dumps(saved, indent=1))
+    save_run(args.out, result)
     return 0
 
 

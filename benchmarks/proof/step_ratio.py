@@ -64,7 +64,6 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, step
     import torch
 
     from cbs_tracker.demo.corpus import SequenceStream
-    from cbs_tracker.demo.gpt import GPT, GPTConfig, make_adamw
 
     torch.set_num_threads(1)
     corpus = base.load_setting_corpus(setting)
@@ -72,14 +71,7 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, step
     micro_seqs = setting.tracker_micro_sequences
     micro_tokens = micro_seqs * setting.seq_len
     accumulation = start // micro_tokens
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
-                          n_head=setting.n_head))
-    optimizer = make_adamw(model, setting.lr, setting.weight_decay)
-    for group in optimizer.param_groups:
-        group["lr"] = setting.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda e: proof_lr.lr_at(setting, lr_schedule, (e + 1) * start) / setting.lr)
+    model, optimizer, scheduler = proof_lr.start_of_run(setting, seed, lr_schedule, start)
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=seed)
     probe = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=1_000_003 + seed).next_batch(probe_sequences)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -121,6 +113,15 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, step
             "library_commit": base._library_commit(), "points": points}
 
 
+def save_run(path: Path, result: dict[str, Any]) -> None:
+    """Add ``result`` to the JSON file at ``path`` (``{"runs": [...]}``), replacing a run of the same setting, seed
+    and LR schedule."""
+    saved = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    key = (result["setting_key"], result["seed"], result["lr_schedule"])
+    saved["runs"] = [r for r in saved["runs"] if (r["setting_key"], r["seed"], r["lr_schedule"]) != key] + [result]
+    path.write_text(json.dumps(saved, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", choices=sorted(base.SETTINGS), default="wide")
@@ -136,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--marks, --steps and --probe must be >= 1 and --until in (0, 1]")
     result = measure(base.SETTINGS[args.setting], args.seed, args.schedule, args.marks, args.steps, args.probe,
                      args.until)
-    saved = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
-    saved["runs"] = [r for r in saved["runs"] if (r["setting_key"], r["seed"], r["lr_schedule"]) !=
-                     (result["setting_key"], result["seed"], result["lr_schedule"])] + [result]
-    args.out.write_text(json.dumps(saved, indent=1))
+    save_run(args.out, result)
     return 0
 
 
