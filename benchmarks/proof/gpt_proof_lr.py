@@ -73,7 +73,7 @@ _EFF_RUN = re.compile(r"tracker_eff(\d)(\d\d)")
 _LINEAR_RUN = re.compile(r"(tracker_\w+)_linear")
 #: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
 COOLED_KAPPA = {name: base.ROOT / "docs" / f"calibration_cooled_{name}_seed0.json"
-                for name in ("full", "prose")}
+                for name in ("full", "prose", "wide", "heldout")}
 #: the kappa of ``tracker_measured`` runs: a calibration of the proof setting by branches
 MEASURED_KAPPA = base.ROOT / "docs" / "calibration_full_seed0.json"
 #: the largest microbatch of ``tracker_mbfirst`` runs, in sequences (2,048 tokens at the proof's context)
