@@ -170,6 +170,31 @@ def table(pts: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+X_RANGE = (0.0, 90.0)  # the frontier panels' steps saved, percent
+
+
+def _label_corner(shown: list[dict[str, Any]], labels: int, bottom: float, top: float) -> tuple[str, str]:
+    """The corner of a panel (``("left" | "right", "top" | "bottom")``) whose block of ``labels`` lines covers the
+    fewest of the points drawn in it (marker or error bar), top-left first among equals."""
+    if not labels:
+        return ("left", "top")
+    height = 0.07 * labels + 0.05
+
+    def covered(side: str, end: str) -> int:
+        x0, x1 = (0.0, 0.62) if side == "left" else (0.38, 1.0)
+        y0, y1 = (0.92 - height, 0.92) if end == "top" else (0.02, 0.02 + height)
+        n = 0
+        for p in shown:
+            x = (100 * p["steps_saved"] - X_RANGE[0]) / (X_RANGE[1] - X_RANGE[0])
+            lo = (p["delta_mean"] - bottom) / (top - bottom)
+            hi = lo if p["delta_upper90"] is None else (min(p["delta_upper90"], top) - bottom) / (top - bottom)
+            n += x0 <= x <= x1 and lo - 0.03 <= y1 and hi + 0.03 >= y0
+        return n
+
+    corners = [("left", "top"), ("left", "bottom"), ("right", "top"), ("right", "bottom")]
+    return min(corners, key=lambda c: covered(*c))
+
+
 def draw(pts: list[dict[str, Any]], path: Path) -> None:
     """One panel per setting and LR schedule; each rule one colour, named once in the legend below (no labels
     on the points, so none overlap); the default a star; bars the upper end of the paired 90% interval."""
@@ -190,22 +215,28 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     for col, setting in enumerate(settings):
         for row, schedule in enumerate(("cosine", "wsd")):
             ax = axes[row][col]
-            above = 0  # points drawn at the top edge so far: their labels stack down the panel's left side
-            for p in (p for p in pts if p["setting"] == setting and p["schedule"] == schedule):
+            mine = [p for p in pts if p["setting"] == setting and p["schedule"] == schedule]
+            bottom = min([p["delta_mean"] for p in mine], default=0.0)
+            bottom = min(bottom, 0.0) - 0.003
+            off = [p for p in mine if p["delta_mean"] > top]
+            corner = _label_corner([p for p in mine if p["delta_mean"] <= top], len(off), bottom, top + 0.002)
+            for i, p in enumerate(off):  # drawn at the top edge, listed in the panel's emptiest corner
+                y_label = 0.86 - 0.07 * i if corner[1] == "top" else 0.04 + 0.07 * (len(off) - 1 - i)
+                ax.annotate(f"↑ {p['rule']} {p['delta_mean']:+.3f} at {100 * p['steps_saved']:.0f}%",
+                            (0.02 if corner[0] == "left" else 0.98, y_label), xycoords="axes fraction",
+                            ha=corner[0], fontsize=6.5, color=colours[p["rule"]], zorder=5,
+                            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 0.5})
+            for p in mine:
                 up = None if p["delta_upper90"] is None else [[0.0], [p["delta_upper90"] - p["delta_mean"]]]
                 star = p["rule"] == DEFAULT_RULE
                 x, y = 100 * p["steps_saved"], p["delta_mean"]
                 if y > top:
-                    ax.annotate(f"↑ {p['rule']} {y:+.3f} at {x:.0f}%", (0.02, 0.86 - 0.07 * above),
-                                xycoords="axes fraction", fontsize=6.5, color=colours[p["rule"]], zorder=5,
-                                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 0.5})
-                    y, up, above = top, None, above + 1
+                    y, up = top, None
                 ax.errorbar(x, y, yerr=up, fmt=shapes[p["rule"]], markersize=14 if star else 6, capsize=3,
                             color=colours[p["rule"]], markeredgecolor="black" if star else colours[p["rule"]],
                             alpha=1.0 if len(p["seeds"]) >= 4 else 0.45, zorder=3 if star else 2)
-            low = min([p["delta_mean"] for p in pts if p["setting"] == setting and p["schedule"] == schedule],
-                      default=0.0)
-            ax.set_ylim(bottom=min(low, 0.0) - 0.003, top=top + 0.002)
+            ax.set_xlim(*X_RANGE)
+            ax.set_ylim(bottom=bottom, top=top + 0.002)
             ax.axhline(0.0, color="black", lw=0.8)
             ax.axhline(KEEPS_THE_LOSS, color="gray", lw=0.8, ls=":")
             ax.axvline(55, color="gray", lw=0.8, ls=":")
