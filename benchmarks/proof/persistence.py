@@ -16,13 +16,11 @@ before clipping) and prints the ratio over each of ``--marks`` stretches of the 
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 from typing import Any
 
 from . import gpt_proof as base
 from . import gpt_proof_lr as proof_lr
-from .step_ratio import save_run
+from .step_ratio import run_arguments, save_run
 
 
 def persistence(within: list[float], across: list[float]) -> float:
@@ -86,13 +84,7 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, unti
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setting", choices=sorted(base.SETTINGS), default="wide")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine")
-    p.add_argument("--marks", type=int, default=10, help="stretches the ratio is taken over (default 10)")
-    p.add_argument("--until", type=float, default=0.5, help="the share of the run trained (default 0.5)")
-    p.add_argument("--out", type=Path, required=True, help="a JSON file; runs of other settings in it are kept")
+    p = run_arguments(__doc__, "stretches the ratio is taken over")
     args = p.parse_args(argv)
     if args.marks < 1 or not 0 < args.until <= 1:
         p.error("--marks must be >= 1 and --until in (0, 1]")

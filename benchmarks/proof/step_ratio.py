@@ -122,16 +122,22 @@ def save_run(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(saved, indent=1))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_arguments(doc: str | None, marks_help: str) -> argparse.ArgumentParser:
+    """The arguments both diagnostics take: which constant run, how many points over how much of it, the file."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", choices=sorted(base.SETTINGS), default="wide")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine")
-    p.add_argument("--marks", type=int, default=10, help="measuring points, evenly spaced (default 10)")
-    p.add_argument("--steps", type=int, default=8, help="consecutive steps summed at each point (default 8)")
-    p.add_argument("--probe", type=int, default=64, help="probe batch, in sequences (default 64)")
+    p.add_argument("--marks", type=int, default=10, help=f"{marks_help} (default 10)")
     p.add_argument("--until", type=float, default=0.5, help="the share of the run trained (default 0.5)")
     p.add_argument("--out", type=Path, required=True, help="a JSON file; runs of other settings in it are kept")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = run_arguments(__doc__, "measuring points, evenly spaced")
+    p.add_argument("--steps", type=int, default=8, help="consecutive steps summed at each point (default 8)")
+    p.add_argument("--probe", type=int, default=64, help="probe batch, in sequences (default 64)")
     args = p.parse_args(argv)
     if args.marks < 1 or args.steps < 1 or args.probe < 1 or not 0 < args.until <= 1:
         p.error("--marks, --steps and --probe must be >= 1 and --until in (0, 1]")

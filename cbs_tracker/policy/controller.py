@@ -126,9 +126,10 @@ class BatchSizeController:
             at a fixed budget the loss-optimal batch sits below it). Default 0.4, with
             ``convert_lr_decay`` up to ``convert_until=0.85``: chosen on small GPTs under cosine and
             warmup-stable-decay schedules; on a fifth it was not chosen on it ended well above the
-            constant batch (results.md). ``kappa=0.5`` without conversion is the earlier default. A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a
-            list of ``(tokens, kappa)`` pairs) gives a *measured* ``kappa`` that moves with
-            the units seen, as a branched calibration reports it
+            constant batch (results.md). ``kappa=0.5`` without conversion is the earlier default.
+            A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a list of ``(tokens, kappa)``
+            pairs) gives a *measured* ``kappa`` that moves with the units seen, as a branched
+            calibration reports it
             (:meth:`cbs_tracker.calibrate.Calibration.kappa_schedule`).
         kappa_rise: a constant ``kappa`` rises linearly in units from ``kappa`` at the start
             to ``kappa_rise * kappa`` at the run's end (``total_tokens``, or the length an
@@ -167,7 +168,8 @@ class BatchSizeController:
             a row). ``None`` (default): the ``kappa`` rule. In ``(0, 1]``.
         total_tokens: the run's length in units, for ``kappa_rise``, ``efficiency_budget`` and
             ``convert_until`` (``None``: unknown; ``kappa`` stays fixed, every halving converts).
-            Left ``None``, an adapter sets it from the run's own length (:meth:`set_run_length`); given, it wins over the adapter's.
+            Left ``None``, an adapter sets it from the run's own length (:meth:`set_run_length`);
+            given, it wins over the adapter's.
 
         allow_shrink: allow halving when the target falls well below the batch. Default
             ``False``.
