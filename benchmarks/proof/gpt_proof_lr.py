@@ -366,7 +366,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule.startswith("tracker_mbfirst") else None,
         measure_every="auto" if run.schedule == "tracker_mbfirst_auto" else 1)
     evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
-    trace: dict[str, list[Any]] = {"tokens": [], "global_batch": [], "noise_scale": [], "lr": [], "scheduled_lr": []}
+    trace: dict[str, list[Any]] = {"tokens": [], "global_batch": [], "noise_scale": [], "lr": [], "scheduled_lr": [],
+                                   "grad_sq_norm": [], "trace_cov": [], "train_loss": []}
 
     evals["train_s"] = []
     eval_s = 0.0
@@ -391,6 +392,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         tokens = evals["tokens"][-1]
         step = evals["step"][-1]
     windows = None if tracker is None else tracker.windows(batches)
+    loss_sum = loss_tokens = 0.0
     while tracker is not None and windows is not None and (
         tokens + tracker.accumulation_steps * tracker.microbatch_batches * micro_tokens <= setting.budget_tokens
     ):
@@ -399,6 +401,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
             with tracker.microbatch(labels=y):
                 _, loss = model(x, y)
                 (loss / tracker.accumulation_steps).backward()
+            loss_sum, loss_tokens = loss_sum + loss.item() * micro_tokens, loss_tokens + micro_tokens
         record = tracker.step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
         optimizer.step()
@@ -407,9 +410,11 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         step, tokens = record.step, record.tokens_seen
         yield tokens
         if tokens >= next_trace:
-            for key in ("global_batch", "noise_scale", "lr", "scheduled_lr"):
+            for key in ("global_batch", "noise_scale", "lr", "scheduled_lr", "grad_sq_norm", "trace_cov"):
                 trace[key].append(getattr(record, key))
             trace["tokens"].append(tokens)
+            trace["train_loss"].append(round(loss_sum / loss_tokens, 4))  # mean over the tokens since the last point
+            loss_sum = loss_tokens = 0.0
             next_trace = tokens + setting.trace_every_tokens
         if tokens >= next_eval:
             record_eval(step, tokens)
