@@ -193,3 +193,23 @@ def test_the_default_rule_is_the_librarys_default_controller_and_only_its_points
     runs = [_run("constant", 0, 1.3, 100), _run(frontier.DEFAULT_RULE, 0, 1.31, 50), _run("kappa0.5", 0, 1.2, 40)]
     marked = {p["rule"]: p["default"] for p in frontier.points(runs)}
     assert marked == {frontier.DEFAULT_RULE: True, "kappa0.5": False}
+
+
+def test_an_adam_run_trains_as_the_run_it_names_and_measures_through_adams_preconditioner(frontier, tmp_path):
+    """``<schedule>_adam``: the same controller and the same training as ``<schedule>`` (a constant batch ends
+    on the same loss to the last digit), only the noise scale is measured through Adam's preconditioner, so it
+    differs from the plain run's at the same weights."""
+    proof_lr, setting = frontier.proof_lr, frontier.base.SETTINGS["tiny"]
+    plain = proof_lr.train(proof_lr.Run("constant", 0, "cosine"), setting, tmp_path / "plain")
+    adam = proof_lr.train(proof_lr.Run("constant_adam", 0, "cosine"), setting, tmp_path / "adam")
+    assert adam["name"] == "constant_adam_cosine_seed0" and (tmp_path / "adam" / "runs" / f"{adam['name']}.json").exists()
+    assert (adam["final_val_loss"], adam["steps"], adam["tokens"]) == (
+        plain["final_val_loss"], plain["steps"], plain["tokens"])
+    assert adam["trace"]["train_loss"] == plain["trace"]["train_loss"]
+    pairs = [(a, p) for a, p in zip(adam["trace"]["noise_scale"], plain["trace"]["noise_scale"]) if a and p]
+    assert len(pairs) >= 4 and all(abs(a / p - 1) > 0.01 for a, p in pairs)
+    rule = proof_lr.Run("tracker_kappa04_convert_until085_adam", 0, "cosine")
+    with_adam, without = (proof_lr.make_controller(r, setting)
+                          for r in (rule, proof_lr.Run("tracker_kappa04_convert_until085", 0, "cosine")))
+    assert (with_adam.kappa, with_adam.convert_lr_decay, with_adam.convert_until) == (
+        without.kappa, without.convert_lr_decay, without.convert_until) == (0.4, True, 0.85)

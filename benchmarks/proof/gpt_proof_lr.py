@@ -52,7 +52,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
-             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear")
+             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "..._adam")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -71,6 +71,9 @@ _EFF_RUN = re.compile(r"tracker_eff(\d)(\d\d)")
 #: ``tracker_kappa04_convert_until085_linear``: the rule it names with the LR coupled linearly to the batch
 #: (``lr_scaling="linear"``: LR x 2 per doubling) in place of the square root Adam gets by default
 _LINEAR_RUN = re.compile(r"(tracker_\w+)_linear")
+#: ``constant_adam``, ``tracker_kappa04_convert_until085_adam``: the run schedule named before ``_adam`` with the
+#: noise scale measured through Adam's preconditioner (``preconditioner="adam"``: ``tr(P Sigma P) / |P G|^2``)
+_ADAM_RUN = re.compile(r"(\w+)_adam")
 #: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
 COOLED_KAPPA = {name: base.ROOT / "docs" / f"calibration_cooled_{name}_seed0.json"
                 for name in ("full", "prose", "wide", "heldout")}
@@ -154,6 +157,9 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
     only ``tracker_library_default`` takes the library's defaults as they are."""
+    adam_run = _ADAM_RUN.fullmatch(run.schedule)
+    if adam_run is not None:
+        return make_controller(replace(run, schedule=adam_run.group(1)), setting)
     linear_run = _LINEAR_RUN.fullmatch(run.schedule)
     if linear_run is not None:
         controller = make_controller(replace(run, schedule=linear_run.group(1)), setting)
@@ -346,6 +352,11 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     from cbs_tracker.demo.corpus import SequenceStream, evaluate
 
     torch.set_num_threads(1)
+    adam_run = _ADAM_RUN.fullmatch(run.schedule)
+    controller = make_controller(run, setting)
+    named = run  # the name the result is kept under
+    if adam_run is not None:
+        run = replace(run, schedule=adam_run.group(1))  # trained as the run it names; only the measure differs
     corpus = base.load_setting_corpus(setting)
     micro_seqs = setting.tracker_micro_sequences
     micro_tokens = micro_seqs * setting.seq_len
@@ -361,7 +372,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     model, optimizer, scheduler = start_of_run(setting, run.seed, run.lr_schedule, start)
     stream = SequenceStream(corpus.train, seq_len=setting.seq_len, seed=run.seed)
     tracker = None if fast else CBSTracker(
-        model, optimizer, accumulation_steps=start // micro_tokens, controller=make_controller(run, setting),
+        model, optimizer, accumulation_steps=start // micro_tokens, controller=controller,
+        preconditioner="adam" if adam_run is not None else None,
         lr_scheduler=scheduler, cap_lr_at_peak=run.capped,
         max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule.startswith("tracker_mbfirst") else None,
         measure_every="auto" if run.schedule == "tracker_mbfirst_auto" else 1)
@@ -424,7 +436,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
     if evals["step"][-1] != step:
         record_eval(step, tokens)
     result = {
-        "name": run.name, "schedule": run.schedule, "seed": run.seed, "lr_schedule": run.lr_schedule,
+        "name": named.name, "schedule": named.schedule, "seed": run.seed, "lr_schedule": run.lr_schedule,
         "cap_lr_at_peak": run.capped, "lr_coupling_mode": None if tracker is None else tracker.session.coupling_mode,
         "final_val_loss": evals["val_loss"][-1], "steps": step, "tokens": tokens,
         "final_batch_tokens": micro_tokens if fast else None if record is None else record.global_batch,
@@ -436,7 +448,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         "setting": setting.name, "setting_key": setting.key(), "library_commit": base._library_commit(),
     }
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    (out / "runs" / f"{run.name}.json").write_text(json.dumps(result))
+    (out / "runs" / f"{named.name}.json").write_text(json.dumps(result))
     return result
 
 
