@@ -26,7 +26,8 @@ the default, ``DEFAULT_RULE``), ``kappaA-B+convert`` (``kappa`` rising from A to
 over the budget: ``BatchSizeController(kappa=A, kappa_rise=B/A)``), ``eff0.08`` / ``eff0.12`` (the
 efficiency budget, ``efficiency_budget`` with the setting's budget as ``total_tokens``, no conversion), ``measured`` / ``cooled`` (``kappa`` from branches
 without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4,
-9/10 of the run).
+9/10 of the run), ``kappa0.4+convert-until0.85+rise1.3`` (the default with its growth held until the noise
+scale has risen to 1.3 x its level at a tenth of the run: ``gpt_proof_lr.rise_gated``).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
@@ -79,6 +80,7 @@ RULES = {
     "hand_ramp": "hand_ramp",
     "eff0.08": "tracker_eff008",
     "eff0.12": "tracker_eff012",
+    "kappa0.4+convert-until0.85+rise1.3": "tracker_kappa04_convert_until085_rise13",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)

@@ -213,3 +213,40 @@ def test_an_adam_run_trains_as_the_run_it_names_and_measures_through_adams_preco
                           for r in (rule, proof_lr.Run("tracker_kappa04_convert_until085", 0, "cosine")))
     assert (with_adam.kappa, with_adam.convert_lr_decay, with_adam.convert_until) == (
         without.kappa, without.convert_lr_decay, without.convert_until) == (0.4, True, 0.85)
+
+
+def _feed(ctrl, noise_at, steps, micro=512.0):
+    """One update per step, the decision applied at the next; returns the steps where the batch grew."""
+    tokens, acc, grown = 0.0, 1, []
+    for step in range(1, steps + 1):
+        tokens += micro * acc
+        noise = noise_at(step)
+        d = ctrl.update(step=step, tokens_seen=tokens, global_batch=micro * acc, accumulation_steps=acc,
+                        noise_scale=noise, noise_scale_low=noise, noise_scale_high=noise)
+        if d.changed:
+            grown.append(step)
+        acc = d.accumulation_steps
+    return grown
+
+
+def test_a_rise_gated_rule_grows_only_once_the_noise_scale_has_risen_past_its_level_at_a_tenth_of_the_run(
+        frontier):
+    """``_rise13``: no growth on a flat noise scale that the ungated rule grows on; on a noise scale that steps up
+    by 1.5x at step 300 the gate opens when the median of the last 32 (``window``) measurements reaches 1.3x its
+    value at a tenth of the run: 16 of the 32 at the new level (the median is the upper middle), step 315."""
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    proof_lr, total = frontier.proof_lr, 1000 * 512.0
+    flat = lambda step: 10 * 512.0  # noqa: E731  # 0.4 x 5120 = 2048 >= 2 x 512 x 1.1
+    assert _feed(BatchSizeController(total_tokens=total), flat, 600)  # ungated: grows
+    gated = proof_lr.rise_gated(BatchSizeController(total_tokens=total), rise=1.3, total_tokens=total)
+    assert _feed(gated, flat, 600) == [] and gated.rise_opened_at is None and gated.rise_reference == 5120
+    step_up = lambda step: 10 * 512.0 * (1.5 if step >= 300 else 1.0)  # noqa: E731
+    gated = proof_lr.rise_gated(BatchSizeController(total_tokens=total), rise=1.3, total_tokens=total)
+    grown = _feed(gated, step_up, 600)
+    assert gated.rise_opened_at == 315 * 512.0 and grown and 315 < grown[0] <= 315 + gated.patience
+    # the frontier's rule is the default with the gate, converting as the default does
+    rule = proof_lr.make_controller(proof_lr.Run("tracker_kappa04_convert_until085_rise13", 0, "cosine"),
+                                    frontier.base.SETTINGS["wide"])
+    assert (rule.rise, rule.convert_lr_decay, rule.convert_until, rule.total_tokens) == (
+        1.3, True, 0.85, frontier.base.SETTINGS["wide"].budget_tokens)

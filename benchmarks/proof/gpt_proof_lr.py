@@ -52,7 +52,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
-             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "..._adam")
+             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -74,6 +74,9 @@ _LINEAR_RUN = re.compile(r"(tracker_\w+)_linear")
 #: ``constant_adam``, ``tracker_kappa04_convert_until085_adam``: the run schedule named before ``_adam`` with the
 #: noise scale measured through Adam's preconditioner (``preconditioner="adam"``: ``tr(P Sigma P) / |P G|^2``)
 _ADAM_RUN = re.compile(r"(\w+)_adam")
+#: ``tracker_kappa04_convert_until085_rise13``: the rule it names with its first growth held until the noise scale
+#: has risen to 1.3 x its median at a tenth of the run (:func:`rise_gated`; conversions of LR halvings unaffected)
+_RISE_RUN = re.compile(r"(tracker_\w+)_rise(\d)(\d)")
 #: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
 COOLED_KAPPA = {name: base.ROOT / "docs" / f"calibration_cooled_{name}_seed0.json"
                 for name in ("full", "prose", "wide", "heldout")}
@@ -153,6 +156,34 @@ def calibration_tokens(run: Run, setting: base.Setting) -> float:
     return float(sum(p["total_branch_tokens"] for p in json.loads(Path(path).read_text())["points"]))
 
 
+def rise_gated(controller: Any, *, rise: float, total_tokens: float, at: float = 0.1) -> Any:
+    """``controller`` (a ``BatchSizeController``), changed in place so that its growth waits until the noise scale
+    has risen: ``kappa`` is held at 0 (no growth from the noise scale; the conversions of LR halvings go on) until
+    the median of the last ``window`` noise scales reaches ``rise`` x that median at ``at`` of the run. A
+    prototype for the frontier, not the library's: the critical batch grows as the loss falls, so a noise scale
+    that has not risen since early in the run is read as a level the run cannot use yet."""
+
+    class RiseGated(type(controller)):  # type: ignore[misc]
+        def update(self, **kwargs: Any) -> Any:
+            value = kwargs.get("noise_scale")
+            if value is not None and 0 < value < float("inf"):
+                self.rise_recent = (self.rise_recent + [float(value)])[-self.window:]
+            if self.rise_recent and self.rise_opened_at is None:
+                level = sorted(self.rise_recent)[len(self.rise_recent) // 2]
+                if self.rise_reference is None and kwargs["tokens_seen"] >= at * total_tokens:
+                    self.rise_reference = level
+                if self.rise_reference is not None and level >= rise * self.rise_reference:
+                    self.rise_opened_at = float(kwargs["tokens_seen"])
+            return super().update(**kwargs)
+
+        def _kappa_at(self, tokens: float) -> float:
+            return super()._kappa_at(tokens) if getattr(self, "rise_opened_at", None) is not None else 0.0
+
+    controller.rise, controller.rise_recent, controller.rise_reference, controller.rise_opened_at = rise, [], None, None
+    controller.__class__ = RiseGated
+    return controller
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
@@ -160,6 +191,11 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     adam_run = _ADAM_RUN.fullmatch(run.schedule)
     if adam_run is not None:
         return make_controller(replace(run, schedule=adam_run.group(1)), setting)
+    rise_run = _RISE_RUN.fullmatch(run.schedule)
+    if rise_run is not None:
+        return rise_gated(make_controller(replace(run, schedule=rise_run.group(1)), setting),
+                              rise=int(rise_run.group(2)) + int(rise_run.group(3)) / 10,
+                              total_tokens=setting.budget_tokens)
     linear_run = _LINEAR_RUN.fullmatch(run.schedule)
     if linear_run is not None:
         controller = make_controller(replace(run, schedule=linear_run.group(1)), setting)
