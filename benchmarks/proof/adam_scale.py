@@ -66,7 +66,8 @@ def measure(setting: base.Setting, seed: int, lr_schedule: str, marks: int, runs
             log(f"{setting.name} {p['from_tokens']:>10,.0f}-{p['to_tokens']:>10,.0f} tokens: B_simple "
                 f"{p['b_simple']:8,.0f}  B_adam {p['b_adam']:8,.0f}  ratio {p['ratio']:.2f}")
     return {"setting": setting.name, "setting_key": setting.key(), "seed": seed, "lr_schedule": lr_schedule,
-            "final_val_loss": plain["final_val_loss"], "library_commit": base._library_commit(), "points": points}
+            "final_val_loss": plain["final_val_loss"], "library_commit": base._library_commit(),
+            "run_commits": {k: r.get("library_commit") for k, r in results.items()}, "points": points}
 
 
 def main(argv: list[str] | None = None) -> int:
