@@ -15,7 +15,9 @@ batches, about 2 minutes) and ``heldout`` (3 layers x 80, context 48, peak LR 3e
 from 192-token batches, about 1.5 minutes, run only after a candidate was chosen on the other three) and ``wide``
 (2 layers x 112, context 96, peak LR 1.5e-3, the docstrings, 1M tokens from 192-token batches, run only after
 ``convert_until`` was chosen on the other four) and ``wide_lr3`` (``wide`` at twice its peak LR, 3e-3, run after
-``wide``'s); the first two chose the default, the others only judge.
+``wide``'s) and ``tall`` (6 layers x 64, context 64, peak LR 2.5e-3, the code corpus, 1M tokens from
+256-token batches, defined before any run of the rise-gated rule); the first two chose the default, the others
+only judge.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -86,7 +88,7 @@ SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
 #: panels left to right: the two settings that chose the default, then the four that only judged it
-SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5}
+SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom
