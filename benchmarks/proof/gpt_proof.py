@@ -254,28 +254,8 @@ WIDE_LR = replace(WIDE, name="wide_lr3", lr=3e-3)
 #: whose gate was read off the other six settings' noise-scale traces), to judge it and the default where neither
 #: was chosen or shaped. The proof's corpus (the standard library's code) on the deepest GPT here: 6 layers x 64,
 #: context 64, peak LR 2.5e-3, 256-token starting batches of two 128-token microbatches, 1M tokens.
-TALL = Setting(
-    name="tall",
-    budget_tokens=2**20,
-    seq_len=64,
-    n_layer=6,
-    d_model=64,
-    n_head=4,
-    lr=2.5e-3,
-    min_lr_ratio=0.1,
-    warmup_tokens=50_000,
-    weight_decay=0.1,
-    clip=1.0,
-    micro_sequences=2,
-    tracker_micro_sequences=2,
-    tracker_start_tokens=256,
-    constants=(256,),
-    ramp=((1024, 0.5), (2048, 0.25), (4096, 0.15), (8192, 0.10)),
-    eval_every_tokens=65_536,
-    eval_sequences=512,
-    corpus_max_bytes=None,
-    constant_tokens=256,
-)
+TALL = replace(HELDOUT, name="tall", seq_len=64, n_layer=6, d_model=64, lr=2.5e-3, tracker_start_tokens=256,
+               constants=(256,), ramp=((1024, 0.5), (2048, 0.25), (4096, 0.15), (8192, 0.10)), constant_tokens=256)
 
 #: A seconds-long setting whose starting batch is the constant 512 of the frontier's runs (tests).
 TINY = replace(QUICK, name="tiny", budget_tokens=65_536, tracker_start_tokens=512, constants=(512,),
