@@ -177,7 +177,7 @@ def rise_gated(controller: Any, *, rise: float, total_tokens: float, at: float =
             return super().update(**kwargs)
 
         def _kappa_at(self, tokens: float) -> float:
-            return super()._kappa_at(tokens) if getattr(self, "rise_opened_at", None) is not None else 0.0
+            return super()._kappa_at(tokens) if self.rise_opened_at is not None else 0.0
 
     controller.rise, controller.rise_recent, controller.rise_reference, controller.rise_opened_at = rise, [], None, None
     controller.__class__ = RiseGated
@@ -194,8 +194,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     rise_run = _RISE_RUN.fullmatch(run.schedule)
     if rise_run is not None:
         return rise_gated(make_controller(replace(run, schedule=rise_run.group(1)), setting),
-                              rise=int(rise_run.group(2)) + int(rise_run.group(3)) / 10,
-                              total_tokens=setting.budget_tokens)
+                          rise=int(rise_run.group(2)) + int(rise_run.group(3)) / 10, total_tokens=setting.budget_tokens)
     linear_run = _LINEAR_RUN.fullmatch(run.schedule)
     if linear_run is not None:
         controller = make_controller(replace(run, schedule=linear_run.group(1)), setting)
