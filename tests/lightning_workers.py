@@ -155,6 +155,17 @@ class ToyLM(pl.LightningModule):
 
 
 # ---------------------------------------------------------------------------- observers
+def leave_process_group() -> None:
+    """Destroy the process group at the end of a ``ddp_spawn`` rank's fit (a callback's ``teardown``: Lightning's last
+    collective has run by then). Lightning leaves gloo's group up; torn down by the interpreter at exit, its worker
+    threads now and then abort the rank ("terminate called without an active exception", pytorch/pytorch#190489)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class Recorder(pl.Callback):
     """Per optimizer step: the CBS record, Lightning's accumulation and the microbatches run.
 
@@ -186,6 +197,9 @@ class Recorder(pl.Callback):
         ))
         self._micro = 0
         self._samples = 0
+
+    def teardown(self, trainer, pl_module, stage):
+        leave_process_group()
 
     def on_fit_end(self, trainer, pl_module):
         if self.out_dir is not None:
@@ -255,6 +269,9 @@ class SavedGradCheck(GradCheck):
         self.rows[-1]["batch_idx"] = trainer.fit_loop.epoch_loop.batch_idx
         self.rows[-1]["lr"] = float(optimizer.param_groups[0]["lr"])
 
+    def teardown(self, trainer, pl_module, stage):
+        leave_process_group()
+
     def on_fit_end(self, trainer, pl_module):
         torch.save(self.rows, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
@@ -306,6 +323,9 @@ class SampleLog(pl.Callback):
             record=asdict(self.cbs.last_record), lr=float(optimizer.param_groups[0]["lr"]),
         ))
         self.window = []
+
+    def teardown(self, trainer, pl_module, stage):
+        leave_process_group()
 
     def on_fit_end(self, trainer, pl_module):
         messages = [str(w.message) for w in self._caught]

@@ -16,6 +16,7 @@ from torch import nn
 from cbs_tracker import CBSCallback, CBSDataLoader
 from cbs_tracker.core.estimator import estimate_from_norms
 from tests.doubles import PlanController
+from tests.lightning_workers import leave_process_group
 from tests.test_microbatch_first import ROWS, D, Indexed
 
 LEVELS = [2] * 3 + [4] * 3 + [8] * 3 + [16] * 6  # loader batches per window, as planned (one epoch's worth)
@@ -196,6 +197,9 @@ class Dump(pl.Callback):
                  for s in self.step_log.steps]
         Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(
             json.dumps(dict(seen=pl_module.seen, steps=steps, world=trainer.world_size)))
+
+    def teardown(self, trainer, pl_module, stage):
+        leave_process_group()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
