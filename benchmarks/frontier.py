@@ -83,6 +83,7 @@ RULES = {
     "eff0.08": "tracker_eff008",
     "eff0.12": "tracker_eff012",
     "kappa0.4+convert-until0.85+rise1.3": "tracker_kappa04_convert_until085_rise13",
+    "kappa0.4+convert-until0.85+wd": "tracker_kappa04_convert_until085_wd",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)

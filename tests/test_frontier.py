@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.scripts import load_script
 
@@ -250,3 +251,32 @@ def test_a_rise_gated_rule_grows_only_once_the_noise_scale_has_risen_past_its_le
                                     frontier.base.SETTINGS["wide"])
     assert (rule.rise, rule.convert_lr_decay, rule.convert_until, rule.total_tokens) == (
         1.3, True, 0.85, frontier.base.SETTINGS["wide"].budget_tokens)
+
+
+def test_a_wd_run_keeps_adamws_decay_per_token_at_the_scheduled_lrs_at_the_starting_batch(frontier, tmp_path,
+                                                                                          monkeypatch):
+    """``<schedule>_wd``: at every step ``lr x weight_decay / batch`` is the scheduled LR's x the setting's weight
+    decay over the starting batch, through two doublings of a planned controller (LR x sqrt 2 each: the decay
+    grows x sqrt 2 each), and the parameters AdamW does not decay stay undecayed."""
+    from tests.doubles import PlanController
+
+    proof_lr, setting = frontier.proof_lr, frontier.base.SETTINGS["tiny"]
+    acc = setting.tracker_start_tokens // (setting.tracker_micro_sequences * setting.seq_len)
+    monkeypatch.setattr(proof_lr, "_controller_of", lambda run, setting: PlanController({10: 2 * acc, 30: 4 * acc}))
+    seen: list[list[float]] = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        seen.append([g["weight_decay"] for g in self.param_groups])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    result = proof_lr.train(proof_lr.Run("tracker_kappa04_convert_until085_wd", 0, "cosine"), setting, tmp_path)
+    t = result["trace"]
+    start, decay = setting.tracker_start_tokens, setting.weight_decay
+    assert sorted(set(t["global_batch"])) == [start, 2 * start, 4 * start]
+    for batch, lr, scheduled, wd in zip(t["global_batch"], t["lr"], t["scheduled_lr"], t["weight_decay"], strict=True):
+        assert lr * wd / batch == pytest.approx(scheduled * decay / start, rel=1e-12)
+        assert wd == pytest.approx(decay * (batch / start) ** 0.5, rel=1e-12)  # the sqrt coupling AdamW gets
+    assert len(seen) == result["steps"] and {round(s[0] / decay, 6) for s in seen} == {1.0, 1.414214, 2.0}
+    assert all(s[1:] == [0.0] for s in seen)

@@ -52,7 +52,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
-             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam")
+             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam", "tracker_..._wd")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -77,6 +77,10 @@ _ADAM_RUN = re.compile(r"(\w+)_adam")
 #: ``tracker_kappa04_convert_until085_rise13``: the rule it names with its first growth held until the noise scale
 #: has risen to 1.3 x its median at a tenth of the run (:func:`rise_gated`; conversions of LR halvings unaffected)
 _RISE_RUN = re.compile(r"(tracker_\w+)_rise(\d)(\d)")
+#: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
+#: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
+#: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
+_WD_RUN = re.compile(r"(tracker_\w+)_wd")
 #: the kappa of ``tracker_cooled`` runs, per setting: a calibration by cooled branches
 COOLED_KAPPA = {name: base.ROOT / "docs" / f"calibration_cooled_{name}_seed0.json"
                 for name in ("full", "prose", "wide", "heldout")}
@@ -184,11 +188,19 @@ def rise_gated(controller: Any, *, rise: float, total_tokens: float, at: float =
     return controller
 
 
+def couple_weight_decay(optimizer: Any, decays: list[float], batch_ratio: float, lr_ratio: float) -> None:
+    """Set each param group's weight decay to ``decays[i] x batch_ratio / lr_ratio``: AdamW's decay per token
+    (``lr x weight_decay / batch``) kept at the scheduled LR's at the starting batch (the EMA timescale in tokens
+    that "Power Lines" finds should stay fixed as the batch grows)."""
+    for group, decay in zip(optimizer.param_groups, decays, strict=True):
+        group["weight_decay"] = decay * batch_ratio / lr_ratio
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
     only ``tracker_library_default`` takes the library's defaults as they are."""
-    adam_run = _ADAM_RUN.fullmatch(run.schedule)
+    adam_run = _ADAM_RUN.fullmatch(run.schedule) or _WD_RUN.fullmatch(run.schedule)
     if adam_run is not None:
         return make_controller(replace(run, schedule=adam_run.group(1)), setting)
     rise_run = _RISE_RUN.fullmatch(run.schedule)
@@ -412,6 +424,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         lr_scheduler=scheduler, cap_lr_at_peak=run.capped,
         max_microbatch=MBFIRST_MAX_SEQUENCES if run.schedule.startswith("tracker_mbfirst") else None,
         measure_every="auto" if run.schedule == "tracker_mbfirst_auto" else 1)
+    wd_coupled = _WD_RUN.fullmatch(run.schedule) is not None
+    decays = [g["weight_decay"] for g in optimizer.param_groups]
     evals: dict[str, list[float]] = {"step": [], "tokens": [], "val_loss": []}
     trace: dict[str, list[Any]] = {"tokens": [], "global_batch": [], "noise_scale": [], "lr": [], "scheduled_lr": [],
                                    "grad_sq_norm": [], "trace_cov": [], "train_loss": []}
@@ -450,6 +464,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
                 (loss / tracker.accumulation_steps).backward()
             loss_sum, loss_tokens = loss_sum + loss.item() * micro_tokens, loss_tokens + micro_tokens
         record = tracker.step()
+        if wd_coupled:
+            couple_weight_decay(optimizer, decays, record.global_batch / start, record.lr / record.scheduled_lr)
         torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
         optimizer.step()
         scheduler.step()
@@ -460,6 +476,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
             for key in ("global_batch", "noise_scale", "lr", "scheduled_lr", "grad_sq_norm", "trace_cov"):
                 trace[key].append(getattr(record, key))
             trace["tokens"].append(tokens)
+            if wd_coupled:
+                trace.setdefault("weight_decay", []).append(optimizer.param_groups[0]["weight_decay"])
             trace["train_loss"].append(round(loss_sum / loss_tokens, 4))  # mean over the tokens since the last point
             loss_sum = loss_tokens = 0.0
             next_trace = tokens + setting.trace_every_tokens
