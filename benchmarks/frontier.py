@@ -29,7 +29,9 @@ over the budget: ``BatchSizeController(kappa=A, kappa_rise=B/A)``), ``eff0.08`` 
 efficiency budget, ``efficiency_budget`` with the setting's budget as ``total_tokens``, no conversion), ``measured`` / ``cooled`` (``kappa`` from branches
 without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4,
 9/10 of the run), ``kappa0.4+convert-until0.85+rise1.3`` (the default with its growth held until the noise
-scale has risen to 1.3 x its level at a tenth of the run: ``gpt_proof_lr.rise_gated``).
+scale has risen to 1.3 x its level at a tenth of the run: ``gpt_proof_lr.rise_gated``), ``...+linear`` (the LR
+coupled linearly to the batch, x 2 per doubling, in place of the square root), ``...+wd`` (AdamW's weight decay
+coupled to the batch and the LR so that its decay per token stays the scheduled LR's at the starting batch).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
@@ -84,12 +86,13 @@ RULES = {
     "eff0.12": "tracker_eff012",
     "kappa0.4+convert-until0.85+rise1.3": "tracker_kappa04_convert_until085_rise13",
     "kappa0.4+convert-until0.85+wd": "tracker_kappa04_convert_until085_wd",
+    "slope1.0+convert-until0.85": "tracker_kappa04_convert_until085_slope10",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
 #: panels left to right: the two settings that chose the default, then the five that only judged it
-SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6}
+SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom
@@ -314,6 +317,41 @@ def kappa_table(pts: list[dict[str, Any]], root: Path = ROOT / "docs") -> str:
     return "\n".join(lines) + "\n"
 
 
+#: the stretches of the run (fractions of its tokens) the loss slopes are read over
+SLOPE_MARKS = (0.1, 0.2, 0.3, 0.4, 0.6, 0.8)
+
+
+def loss_at(curve: list[list[float]], tokens: float) -> float:
+    """The validation loss at ``tokens``, linear between the curve's points (``[tokens, loss]``, in order)."""
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if t0 <= tokens <= t1:
+            return l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    raise ValueError(f"loss_at: {tokens} tokens outside the curve's {curve[0][0]}..{curve[-1][0]}")
+
+
+def loss_slopes(runs: list[dict[str, Any]], marks: tuple[float, ...] = SLOPE_MARKS) -> dict[tuple[str, str], list]:
+    """Per setting and LR schedule, how fast the constant batch's validation loss falls per e-fold of tokens,
+    ``(L(a) - L(b)) / ln(b / a)`` between consecutive ``marks`` (fractions of the run's tokens): the median over
+    its seeds, one value per stretch."""
+    slopes: dict[tuple[str, str], list[list[float]]] = {}
+    for r in runs:
+        if r["rule"] != "constant":
+            continue
+        curve, total = r["val_curve"], r["val_curve"][-1][0]
+        slopes.setdefault((r["setting"], r["lr_schedule"]), []).append(
+            [(loss_at(curve, a * total) - loss_at(curve, b * total)) / math.log(b / a)
+             for a, b in zip(marks, marks[1:])])
+    return {key: [statistics.median(col) for col in zip(*rows)] for key, rows in sorted(slopes.items())}
+
+
+def slope_table(runs: list[dict[str, Any]], marks: tuple[float, ...] = SLOPE_MARKS) -> str:
+    head = " | ".join(f"{a:.0%}–{b:.0%}" for a, b in zip(marks, marks[1:]))
+    lines = [f"| setting | LR schedule | {head} |", "|---|---|" + "---|" * (len(marks) - 1)]
+    for (setting, schedule), values in loss_slopes(runs, marks).items():
+        lines.append(f"| {setting} | {schedule} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def report(doc: dict[str, Any], path: Path = DOC, picture: Path | None = PICTURE) -> None:
     doc["points"] = points(doc["runs"])
     doc["runs"].sort(key=lambda r: (r["setting"], r["lr_schedule"], r["rule"], r["seed"]))
@@ -335,12 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="per-run outputs (default runs/frontier/<setting>)")
     p.add_argument("--doc", default=str(DOC), help="the frontier JSON the runs are added to")
     p.add_argument("--report", action="store_true", help="run nothing; recompute the points and the picture")
+    p.add_argument("--slopes", action="store_true", help="run nothing; print the constant runs' loss slopes")
     args = p.parse_args(argv)
     doc_path = Path(args.doc)
     doc = load(doc_path)
     picture = PICTURE if doc_path == DOC else doc_path.with_suffix(".png")
     if args.report:
         report(doc, doc_path, picture)
+        return 0
+    if args.slopes:
+        print(slope_table(doc["runs"]), end="")
         return 0
     setting = base.SETTINGS[args.setting]
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]

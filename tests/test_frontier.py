@@ -280,3 +280,35 @@ def test_a_wd_run_keeps_adamws_decay_per_token_at_the_scheduled_lrs_at_the_start
         assert wd == pytest.approx(decay * (batch / start) ** 0.5, rel=1e-12)  # the sqrt coupling AdamW gets
     assert len(seen) == result["steps"] and {round(s[0] / decay, 6) for s in seen} == {1.0, 1.414214, 2.0}
     assert all(s[1:] == [0.0] for s in seen)
+
+
+def test_a_slope_rule_reads_kappa_from_how_fast_the_loss_falls_over_the_second_half_of_the_tokens_seen(frontier):
+    """``_slope10``: ``kappa`` = 1.0 x the least-squares slope of the loss on ln(tokens) over the second half of
+    the tokens so far (from twice the warm-up on), 0 before 2.5 x the warm-up, capped at 1.2. On a loss falling
+    0.3 nats per e-fold it reads 0.3; once the slope steps to 0.6 at 10,000 tokens it reads 0.6 when the window has
+    left the first stretch (from 20,000 tokens), between the two before; 2 nats per e-fold reads the cap."""
+    import math
+
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    proof_lr = frontier.proof_lr
+    ctrl = proof_lr.slope_kappa(BatchSizeController(total_tokens=1e5), scale=1.0, warmup_tokens=1000)
+
+    def loss(t: float) -> float:
+        return 3 - 0.3 * math.log(t) - (0.3 * math.log(t / 1e4) if t > 1e4 else 0.0)
+
+    read = {}
+    for t in range(50, 40_001, 50):  # at 2,500 tokens the window (2,000-2,500) holds 11 points, 8 needed
+        ctrl.observe_loss(float(t), loss(t))
+        read[t] = ctrl._kappa_at(float(t))
+    assert all(read[t] == 0.0 for t in range(50, 2500, 50))
+    assert all(read[t] == pytest.approx(0.3, abs=1e-9) for t in range(2500, 10_001, 50))
+    assert all(0.3 < read[t] < 0.6 for t in range(10_100, 20_000, 50))
+    assert all(read[t] == pytest.approx(0.6, abs=1e-9) for t in range(20_050, 40_001, 50))
+    steep = proof_lr.slope_kappa(BatchSizeController(total_tokens=1e5), scale=1.0, warmup_tokens=1000)
+    for t in range(100, 5001, 100):
+        steep.observe_loss(float(t), 9 - 2 * math.log(t))
+    assert steep._kappa_at(5000.0) == 1.2
+    rule = proof_lr.make_controller(proof_lr.Run("tracker_kappa04_convert_until085_slope10", 0, "cosine"),
+                                    frontier.base.SETTINGS["wide"])
+    assert (rule.convert_lr_decay, rule.convert_until, rule._kappa_at(1.0)) == (True, 0.85, 0.0)

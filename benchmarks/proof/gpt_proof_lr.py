@@ -52,7 +52,8 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN", "tracker_kappaNN_convert",
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
-             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam", "tracker_..._wd")
+             "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam",
+             "tracker_..._wd", "tracker_..._slopeNN")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -77,6 +78,9 @@ _ADAM_RUN = re.compile(r"(\w+)_adam")
 #: ``tracker_kappa04_convert_until085_rise13``: the rule it names with its first growth held until the noise scale
 #: has risen to 1.3 x its median at a tenth of the run (:func:`rise_gated`; conversions of LR halvings unaffected)
 _RISE_RUN = re.compile(r"(tracker_\w+)_rise(\d)(\d)")
+#: ``tracker_kappa04_convert_until085_slope10``: the rule it names with ``kappa`` read from the run's own loss:
+#: 1.0 x how fast its training loss falls per e-fold of tokens (:func:`slope_kappa`)
+_SLOPE_RUN = re.compile(r"(tracker_\w+)_slope(\d)(\d)")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -196,6 +200,43 @@ def couple_weight_decay(optimizer: Any, decays: list[float], batch_ratio: float,
         group["weight_decay"] = decay * batch_ratio / lr_ratio
 
 
+def slope_kappa(controller: Any, *, scale: float, warmup_tokens: float, cap: float = 1.2) -> Any:
+    """``controller`` (a ``BatchSizeController``), changed in place so that its ``kappa`` is ``scale`` x the slope
+    of the run's training loss against the log of its tokens, ``-dL / d ln T``, fitted by least squares to the
+    steps' mean losses over the second half of the tokens seen so far (from twice the warm-up on), capped at
+    ``cap``; 0 (no growth from the noise scale; conversions of LR halvings go on) before 2.5 x the warm-up. The
+    training loop gives it each step's loss (``observe_loss``) before the step's update. A prototype for the
+    frontier, not the library's: a model whose loss still falls slowly (a plateau) reads a small ``kappa``."""
+    import math
+    from collections import deque
+
+    class SlopeKappa(type(controller)):  # type: ignore[misc]
+        def observe_loss(self, tokens: float, loss: float) -> None:
+            x, pts, sums = math.log(tokens), self.slope_points, self.slope_sums
+            pts.append((tokens, x, loss))
+            for k, v in enumerate((1.0, x, loss, x * x, x * loss)):
+                sums[k] += v
+            start = max(tokens / 2, 2 * warmup_tokens)
+            while pts and pts[0][0] < start:
+                _, x0, y0 = pts.popleft()
+                for k, v in enumerate((1.0, x0, y0, x0 * x0, x0 * y0)):
+                    sums[k] -= v
+            n, sx, sy, sxx, sxy = sums
+            spread = sxx - sx * sx / n if n else 0.0
+            if tokens < 2.5 * warmup_tokens or n < 8 or spread <= 0:
+                self.slope_value = None
+            else:
+                self.slope_value = -(sxy - sx * sy / n) / spread
+
+        def _kappa_at(self, tokens: float) -> float:
+            slope = getattr(self, "slope_value", None)
+            return 0.0 if slope is None else min(cap, max(0.0, scale * slope))
+
+    controller.slope_points, controller.slope_sums, controller.slope_value = deque(), [0.0] * 5, None
+    controller.__class__ = SlopeKappa
+    return controller
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
@@ -207,6 +248,11 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     if rise_run is not None:
         return rise_gated(make_controller(replace(run, schedule=rise_run.group(1)), setting),
                           rise=int(rise_run.group(2)) + int(rise_run.group(3)) / 10, total_tokens=setting.budget_tokens)
+    slope_run = _SLOPE_RUN.fullmatch(run.schedule)
+    if slope_run is not None:
+        return slope_kappa(make_controller(replace(run, schedule=slope_run.group(1)), setting),
+                           scale=int(slope_run.group(2)) + int(slope_run.group(3)) / 10,
+                           warmup_tokens=setting.warmup_tokens)
     linear_run = _LINEAR_RUN.fullmatch(run.schedule)
     if linear_run is not None:
         controller = make_controller(replace(run, schedule=linear_run.group(1)), setting)
@@ -453,7 +499,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
         tokens = evals["tokens"][-1]
         step = evals["step"][-1]
     windows = None if tracker is None else tracker.windows(batches)
-    loss_sum = loss_tokens = 0.0
+    loss_sum = loss_tokens = window_loss = 0.0
+    window_micro = 0
     while tracker is not None and windows is not None and (
         tokens + tracker.accumulation_steps * tracker.microbatch_batches * micro_tokens <= setting.budget_tokens
     ):
@@ -463,6 +510,10 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
                 _, loss = model(x, y)
                 (loss / tracker.accumulation_steps).backward()
             loss_sum, loss_tokens = loss_sum + loss.item() * micro_tokens, loss_tokens + micro_tokens
+            window_loss, window_micro = window_loss + loss.item(), window_micro + 1
+        if hasattr(controller, "observe_loss"):  # the window's mean loss, before the step's update
+            controller.observe_loss(tokens + window_micro * micro_tokens, window_loss / window_micro)
+        window_loss, window_micro = 0.0, 0
         record = tracker.step()
         if wd_coupled:
             couple_weight_decay(optimizer, decays, record.global_batch / start, record.lr / record.scheduled_lr)
@@ -478,6 +529,8 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
             trace["tokens"].append(tokens)
             if wd_coupled:
                 trace.setdefault("weight_decay", []).append(optimizer.param_groups[0]["weight_decay"])
+            if hasattr(controller, "observe_loss"):
+                trace.setdefault("kappa", []).append(controller._kappa_at(tokens))
             trace["train_loss"].append(round(loss_sum / loss_tokens, 4))  # mean over the tokens since the last point
             loss_sum = loss_tokens = 0.0
             next_trace = tokens + setting.trace_every_tokens
