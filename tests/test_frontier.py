@@ -312,3 +312,23 @@ def test_a_slope_rule_reads_kappa_from_how_fast_the_loss_falls_over_the_second_h
     rule = proof_lr.make_controller(proof_lr.Run("tracker_kappa04_convert_until085_slope10", 0, "cosine"),
                                     frontier.base.SETTINGS["wide"])
     assert (rule.convert_lr_decay, rule.convert_until, rule._kappa_at(1.0)) == (True, 0.85, 0.0)
+
+
+def test_loss_slopes_read_the_constant_runs_fall_per_e_fold_of_tokens_between_the_marks(frontier):
+    """A validation curve ``L = 5 - s ln(T)`` between points (linear in tokens between them, as ``loss_at``
+    reads it) gives ``s`` in each stretch up to the interpolation between points; the median over seeds, and
+    only the constant runs count."""
+    import math
+
+    def run(rule: str, seed: int, slope: float) -> dict:
+        tokens = [1000.0 * k for k in range(1, 101)]
+        return {"rule": rule, "setting": "s", "lr_schedule": "cosine", "seed": seed,
+                "val_curve": [[t, 5 - slope * math.log(t)] for t in tokens]}
+
+    runs = [run("constant", 0, 0.2), run("constant", 1, 0.3), run("constant", 2, 0.5), run("kappa0.5", 0, 9.0)]
+    (key, values), = frontier.loss_slopes(runs, marks=(0.2, 0.4, 0.8)).items()
+    assert key == ("s", "cosine") and values == [pytest.approx(0.3, rel=1e-3)] * 2
+    assert frontier.loss_at([[0.0, 4.0], [10.0, 2.0]], 2.5) == 3.5
+    with pytest.raises(ValueError, match="outside"):
+        frontier.loss_at([[0.0, 4.0], [10.0, 2.0]], 11.0)
+    assert "| s | cosine | 0.30 | 0.30 |" in frontier.slope_table(runs, marks=(0.2, 0.4, 0.8))
