@@ -16,8 +16,9 @@ from 192-token batches, about 1.5 minutes, run only after a candidate was chosen
 (2 layers x 112, context 96, peak LR 1.5e-3, the docstrings, 1M tokens from 192-token batches, run only after
 ``convert_until`` was chosen on the other four) and ``wide_lr3`` (``wide`` at twice its peak LR, 3e-3, run after
 ``wide``'s) and ``tall`` (6 layers x 64, context 64, peak LR 2.5e-3, the code corpus, 1M tokens from
-256-token batches, defined before any run of the rise-gated rule); the first two chose the default, the others
-only judge.
+256-token batches, defined before any run of the rise-gated rule) and ``long`` (4 layers x 80, context 128, peak
+LR 2e-3, the docstrings, 1M tokens from 256-token batches, defined before any run of the loss-slope rule on it);
+the first two chose the default, the others only judge.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -31,7 +32,9 @@ without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting bat
 9/10 of the run), ``kappa0.4+convert-until0.85+rise1.3`` (the default with its growth held until the noise
 scale has risen to 1.3 x its level at a tenth of the run: ``gpt_proof_lr.rise_gated``), ``...+linear`` (the LR
 coupled linearly to the batch, x 2 per doubling, in place of the square root), ``...+wd`` (AdamW's weight decay
-coupled to the batch and the LR so that its decay per token stays the scheduled LR's at the starting batch).
+coupled to the batch and the LR so that its decay per token stays the scheduled LR's at the starting batch),
+``slope1.0+convert-until0.85`` (the default's conversion with ``kappa`` = 1.0 x the run's own training loss's fall
+per e-fold of tokens over the second half of the tokens so far: ``gpt_proof_lr.slope_kappa``).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
