@@ -332,3 +332,21 @@ def test_loss_slopes_read_the_constant_runs_fall_per_e_fold_of_tokens_between_th
     with pytest.raises(ValueError, match="outside"):
         frontier.loss_at([[0.0, 4.0], [10.0, 2.0]], 11.0)
     assert "| s | cosine | 0.30 | 0.30 |" in frontier.slope_table(runs, marks=(0.2, 0.4, 0.8))
+
+
+def test_a_held_rule_does_not_grow_from_the_noise_scale_after_convert_until(frontier):
+    """``_hold``: a noise scale that jumps at 90% of the run makes the rule grow there; held, it does not, and it
+    grows as the rule does on a jump at 50%."""
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    proof_lr, total = frontier.proof_lr, 1000 * 512.0
+
+    def jump_at(step0):
+        return lambda step: 512.0 * (10 if step >= step0 else 2)  # 0.4 x 5120 >= 2 x 512; 0.4 x 1024 is not
+
+    def rule():
+        return BatchSizeController(total_tokens=total, convert_until=0.85)
+
+    late, held_late = _feed(rule(), jump_at(900), 1000), _feed(proof_lr.held_late(rule()), jump_at(900), 1000)
+    assert late and late[0] > 900 and held_late == []
+    assert _feed(proof_lr.held_late(rule()), jump_at(500), 1000) == _feed(rule(), jump_at(500), 1000) != []

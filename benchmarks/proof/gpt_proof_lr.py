@@ -53,7 +53,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
              "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam",
-             "tracker_..._wd", "tracker_..._slopeNN")
+             "tracker_..._wd", "tracker_..._slopeNN", "tracker_..._hold")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -81,6 +81,9 @@ _RISE_RUN = re.compile(r"(tracker_\w+)_rise(\d)(\d)")
 #: ``tracker_kappa04_convert_until085_slope10``: the rule it names with ``kappa`` read from the run's own loss:
 #: 1.0 x how fast its training loss falls per e-fold of tokens (:func:`slope_kappa`)
 _SLOPE_RUN = re.compile(r"(tracker_\w+)_slope(\d)(\d)")
+#: ``tracker_kappa04_convert_until085_slope10_hold``: the rule it names with no growth from the noise scale after
+#: ``convert_until`` of the run (:func:`held_late`), where the last halvings of the LR are left to decay
+_HOLD_RUN = re.compile(r"(tracker_\w+)_hold")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -200,6 +203,21 @@ def couple_weight_decay(optimizer: Any, decays: list[float], batch_ratio: float,
         group["weight_decay"] = decay * batch_ratio / lr_ratio
 
 
+def held_late(controller: Any) -> Any:
+    """``controller`` (a ``BatchSizeController`` with ``convert_until`` and ``total_tokens``), changed in place so
+    that its ``kappa`` is 0 from ``convert_until`` of the run on: no doubling from the noise scale in the part of
+    the run whose LR halvings it leaves to decay (under WSD, the final decay, where the noise scale rises as the
+    LR anneals). A prototype for the frontier, not the library's."""
+    end = controller.convert_until * controller.total_tokens
+
+    class HeldLate(type(controller)):  # type: ignore[misc]
+        def _kappa_at(self, tokens: float) -> float:
+            return 0.0 if tokens >= end else super()._kappa_at(tokens)
+
+    controller.__class__ = HeldLate
+    return controller
+
+
 def slope_kappa(controller: Any, *, scale: float, warmup_tokens: float, cap: float = 1.2) -> Any:
     """``controller`` (a ``BatchSizeController``), changed in place so that its ``kappa`` is ``scale`` x the slope
     of the run's training loss against the log of its tokens, ``-dL / d ln T``, fitted by least squares to the
@@ -248,6 +266,9 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     if rise_run is not None:
         return rise_gated(make_controller(replace(run, schedule=rise_run.group(1)), setting),
                           rise=int(rise_run.group(2)) + int(rise_run.group(3)) / 10, total_tokens=setting.budget_tokens)
+    hold_run = _HOLD_RUN.fullmatch(run.schedule)
+    if hold_run is not None:
+        return held_late(make_controller(replace(run, schedule=hold_run.group(1)), setting))
     slope_run = _SLOPE_RUN.fullmatch(run.schedule)
     if slope_run is not None:
         return slope_kappa(make_controller(replace(run, schedule=slope_run.group(1)), setting),
