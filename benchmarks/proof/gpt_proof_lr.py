@@ -259,9 +259,9 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
     only ``tracker_library_default`` takes the library's defaults as they are."""
-    adam_run = _ADAM_RUN.fullmatch(run.schedule) or _WD_RUN.fullmatch(run.schedule)
-    if adam_run is not None:
-        return make_controller(replace(run, schedule=adam_run.group(1)), setting)
+    same_controller = _ADAM_RUN.fullmatch(run.schedule) or _WD_RUN.fullmatch(run.schedule)
+    if same_controller is not None:  # only the measurement (_adam) or the weight decay (_wd) differs
+        return make_controller(replace(run, schedule=same_controller.group(1)), setting)
     rise_run = _RISE_RUN.fullmatch(run.schedule)
     if rise_run is not None:
         return rise_gated(make_controller(replace(run, schedule=rise_run.group(1)), setting),
