@@ -35,7 +35,8 @@ coupled linearly to the batch, x 2 per doubling, in place of the square root), `
 coupled to the batch and the LR so that its decay per token stays the scheduled LR's at the starting batch),
 ``slope1.0+convert-until0.85`` (the default's conversion with ``kappa`` = 1.0 x the run's own training loss's fall
 per e-fold of tokens over the second half of the tokens so far: ``gpt_proof_lr.slope_kappa``), ``...+hold`` (no
-doubling from the noise scale after ``convert_until`` of the run: ``gpt_proof_lr.held_late``).
+doubling from the noise scale after ``convert_until`` of the run: ``gpt_proof_lr.held_late``), ``slope0.8`` /
+``slope1.2`` (its scale 20% lower / higher).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
@@ -92,6 +93,8 @@ RULES = {
     "kappa0.4+convert-until0.85+wd": "tracker_kappa04_convert_until085_wd",
     "slope1.0+convert-until0.85": "tracker_kappa04_convert_until085_slope10",
     "slope1.0+convert-until0.85+hold": "tracker_kappa04_convert_until085_slope10_hold",
+    "slope0.8+convert-until0.85": "tracker_kappa04_convert_until085_slope08",
+    "slope1.2+convert-until0.85": "tracker_kappa04_convert_until085_slope12",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
