@@ -353,6 +353,7 @@ def loss_slopes(runs: list[dict[str, Any]], marks: tuple[float, ...] = SLOPE_MAR
 
 
 def slope_table(runs: list[dict[str, Any]], marks: tuple[float, ...] = SLOPE_MARKS) -> str:
+    """:func:`loss_slopes` as a markdown table, a row per setting and LR schedule (``--slopes``)."""
     head = " | ".join(f"{a:.0%}–{b:.0%}" for a, b in zip(marks, marks[1:]))
     lines = [f"| setting | LR schedule | {head} |", "|---|---|" + "---|" * (len(marks) - 1)]
     for (setting, schedule), values in loss_slopes(runs, marks).items():

@@ -247,8 +247,7 @@ def slope_kappa(controller: Any, *, scale: float, warmup_tokens: float, cap: flo
                 self.slope_value = -(sxy - sx * sy / n) / spread
 
         def _kappa_at(self, tokens: float) -> float:
-            slope = getattr(self, "slope_value", None)
-            return 0.0 if slope is None else min(cap, max(0.0, scale * slope))
+            return 0.0 if self.slope_value is None else min(cap, max(0.0, scale * self.slope_value))
 
     controller.slope_points, controller.slope_sums, controller.slope_value = deque(), [0.0] * 5, None
     controller.__class__ = SlopeKappa
@@ -530,8 +529,9 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
             with tracker.microbatch(labels=y):
                 _, loss = model(x, y)
                 (loss / tracker.accumulation_steps).backward()
-            loss_sum, loss_tokens = loss_sum + loss.item() * micro_tokens, loss_tokens + micro_tokens
-            window_loss, window_micro = window_loss + loss.item(), window_micro + 1
+            value = loss.item()  # one host read of the microbatch's loss, for the trace and the window's mean
+            loss_sum, loss_tokens = loss_sum + value * micro_tokens, loss_tokens + micro_tokens
+            window_loss, window_micro = window_loss + value, window_micro + 1
         if hasattr(controller, "observe_loss"):  # the window's mean loss, before the step's update
             controller.observe_loss(tokens + window_micro * micro_tokens, window_loss / window_micro)
         window_loss, window_micro = 0.0, 0
