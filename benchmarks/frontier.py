@@ -36,7 +36,9 @@ coupled to the batch and the LR so that its decay per token stays the scheduled 
 ``slope1.0+convert-until0.85`` (the default's conversion with ``kappa`` = 1.0 x the run's own training loss's fall
 per e-fold of tokens over the second half of the tokens so far: ``gpt_proof_lr.slope_kappa``), ``...+hold`` (no
 doubling from the noise scale after ``convert_until`` of the run: ``gpt_proof_lr.held_late``), ``slope0.8`` /
-``slope1.2`` (its scale 20% lower / higher).
+``slope1.2`` (its scale 20% lower / higher), ``kappa0.4+convert-until0.85+gate0.2`` (the default with every
+doubling and conversion held while the training loss falls by less than 0.2 nats per e-fold of tokens, a plateau:
+``gpt_proof_lr.slope_gated``).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
@@ -95,6 +97,7 @@ RULES = {
     "slope1.0+convert-until0.85+hold": "tracker_kappa04_convert_until085_slope10_hold",
     "slope0.8+convert-until0.85": "tracker_kappa04_convert_until085_slope08",
     "slope1.2+convert-until0.85": "tracker_kappa04_convert_until085_slope12",
+    "kappa0.4+convert-until0.85+gate0.2": "tracker_kappa04_convert_until085_gate02",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)

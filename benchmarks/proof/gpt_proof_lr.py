@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import time
@@ -84,6 +85,10 @@ _SLOPE_RUN = re.compile(r"(tracker_\w+)_slope(\d)(\d)")
 #: ``tracker_kappa04_convert_until085_slope10_hold``: the rule it names with no growth from the noise scale after
 #: ``convert_until`` of the run (:func:`held_late`), where the last halvings of the LR are left to decay
 _HOLD_RUN = re.compile(r"(tracker_\w+)_hold")
+#: ``tracker_kappa04_convert_until085_gate02``: the rule it names, its growth (doublings from the noise scale and
+#: conversions of LR halvings alike) held while its training loss falls by less than 0.2 nats per e-fold of tokens
+#: (:func:`slope_gated`): no growth on a plateau
+_GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -254,6 +259,25 @@ def slope_kappa(controller: Any, *, scale: float, warmup_tokens: float, cap: flo
     return controller
 
 
+def slope_gated(controller: Any, *, gate: float, warmup_tokens: float) -> Any:
+    """``controller`` (a ``BatchSizeController``), changed in place so that it grows only while the run's training
+    loss falls by at least ``gate`` nats per e-fold of tokens (the slope of :func:`slope_kappa`, read from 2.5 x the
+    warm-up on): below it, ``kappa`` is 0 and so is ``conversion_kappa`` (a halving of the scheduled LR then decays
+    as scheduled); above it, the rule it had. Not latched: the gate opens and closes with the slope. A prototype
+    for the frontier, not the library's: a run on a loss plateau is read as one that needs its steps."""
+    base_kappa_at, conversion_kappa = type(controller)._kappa_at, controller.conversion_kappa
+    slope_kappa(controller, scale=1.0, warmup_tokens=warmup_tokens, cap=math.inf)
+
+    class SlopeGated(type(controller)):  # type: ignore[misc]
+        def _kappa_at(self, tokens: float) -> float:
+            is_open = self.slope_value is not None and self.slope_value >= gate
+            self.conversion_kappa = conversion_kappa if is_open else 0.0
+            return base_kappa_at(self, tokens) if is_open else 0.0
+
+    controller.__class__ = SlopeGated
+    return controller
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
@@ -272,6 +296,11 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     if slope_run is not None:
         return slope_kappa(make_controller(replace(run, schedule=slope_run.group(1)), setting),
                            scale=int(slope_run.group(2)) + int(slope_run.group(3)) / 10,
+                           warmup_tokens=setting.warmup_tokens)
+    gate_run = _GATE_RUN.fullmatch(run.schedule)
+    if gate_run is not None:
+        return slope_gated(make_controller(replace(run, schedule=gate_run.group(1)), setting),
+                           gate=int(gate_run.group(2)) + int(gate_run.group(3)) / 10,
                            warmup_tokens=setting.warmup_tokens)
     linear_run = _LINEAR_RUN.fullmatch(run.schedule)
     if linear_run is not None:
