@@ -8,11 +8,10 @@ Start the same command on every node (here two agents on one machine stand for t
         # is_host=0 on the other nodes; HOST is 127.0.0.1 when all agents run on one machine
 
 Rank 0 saves model, optimizer, scheduler, tracker and stream every ``--checkpoint-every`` steps to
-``--checkpoint-dir`` (one folder every node sees) and logs one JSON line per step to ``--log-file``;
-each start resumes from the newest, where ``CBSTracker.load_state_dict`` keeps the global batch at
-the new world size (``A * D / D'`` per rank). docs/guide.md ("Elastic torchrun") says what the
-agents do, why the environment variable, a resume by hand, and why workers leave with ``os._exit``.
-"""
+``--checkpoint-dir`` (a folder every node sees), logs a JSON line per step to ``--log-file``; each start
+resumes from the newest, where ``CBSTracker.load_state_dict`` keeps the global batch at the new world
+size (``A * D / D'`` per rank). docs/guide.md ("Elastic torchrun"): the agents, the environment variable,
+a resume by hand, why workers leave with ``os._exit``."""
 
 from __future__ import annotations
 
@@ -84,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
     rank, world, device = join_torchrun(args.backend, timeout_s=60)
+    hook = sys.excepthook  # torch's (it prefixes the rank); an error, e.g. a lost peer's, then leaves as below
+    sys.excepthook = lambda *error: (hook(*error), os._exit(1))
     if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
-        print("elastic_ddp: a node that joins later will time out (torch 2.13): start every agent with "
-              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", flush=True)
+        print("elastic_ddp: a node that joins later will time out (torch 2.13): start every agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", flush=True)
     train(args, rank, world, device)
     dist.barrier()  # every rank past its last collective before any leaves
     dist.destroy_process_group()
