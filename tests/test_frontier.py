@@ -351,3 +351,75 @@ def test_a_held_rule_does_not_grow_from_the_noise_scale_after_convert_until(fron
     late, held_late = _feed(rule(), jump_at(900), 1000), _feed(proof_lr.held_late(rule()), jump_at(900), 1000)
     assert late and late[0] > 900 and held_late == []
     assert _feed(proof_lr.held_late(rule()), jump_at(500), 1000) == _feed(rule(), jump_at(500), 1000) != []
+
+
+def _feed_with_loss(ctrl, noise_at, loss_at, lr_at, steps, micro=512.0):
+    """``_feed`` with the step's loss given to the rule (``observe_loss``) before its update and a scheduled LR;
+    returns the steps where the batch grew and the rule's LR conversions."""
+    tokens, acc, grown, decision = 0.0, 1, [], None
+    for step in range(1, steps + 1):
+        tokens += micro * acc
+        if hasattr(ctrl, "observe_loss"):
+            ctrl.observe_loss(tokens, loss_at(tokens))
+        noise = noise_at(step)
+        decision = ctrl.update(step=step, tokens_seen=tokens, global_batch=micro * acc, accumulation_steps=acc,
+                               noise_scale=noise, noise_scale_low=noise, noise_scale_high=noise,
+                               scheduled_lr=lr_at(step))
+        if decision.changed:
+            grown.append(step)
+        acc = decision.accumulation_steps
+    return grown, decision.lr_conversions
+
+
+def test_a_gated_rule_grows_only_while_the_loss_falls_by_the_gate_per_e_fold_of_tokens(frontier):
+    """``_gate02``: on a loss that falls 0.1 nats per e-fold of tokens (a plateau) up to 100,000 tokens and 0.6
+    after, with a noise scale the default grows on from the start, the gated rule's ``kappa`` is 0 until the
+    least-squares slope over the second half of the tokens (numpy's ``polyfit`` on the same points, the slow
+    reference) reaches 0.2 and the default's 0.4 from there; its first doubling comes after that. A halving of
+    the scheduled LR while the gate is shut decays as scheduled; the same halving with the gate open converts."""
+    import math
+
+    import numpy as np
+
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    proof_lr, total, warmup = frontier.proof_lr, 2000 * 512.0, 10_000.0
+
+    def plateau(t: float) -> float:
+        return 3 - 0.1 * math.log(t) - (0.5 * math.log(t / 1e5) if t > 1e5 else 0.0)
+
+    flat_lr = lambda step: 1e-3  # noqa: E731
+    noise = lambda step: 10 * 512.0  # noqa: E731  # 0.4 x 5120 >= 2 x 512 x 1.1: the default grows after its warm-up
+    ungated, _ = _feed_with_loss(BatchSizeController(total_tokens=total), noise, plateau, flat_lr, 400)
+    assert ungated and ungated[0] * 512.0 < 1e5  # on the plateau
+    gated = proof_lr.slope_gated(BatchSizeController(total_tokens=total), gate=0.2, warmup_tokens=warmup)
+    points, opened, kappas = [], None, {}
+    for step in range(1, 400):  # one 512-token step at a time, the batch held: the gate alone
+        t = 512.0 * step
+        gated.observe_loss(t, plateau(t))
+        points.append((t, plateau(t)))
+        window = [(x, y) for x, y in points if x >= max(t / 2, 2 * warmup)]
+        reference = -np.polyfit(np.log([x for x, _ in window]), [y for _, y in window], 1)[0] if len(window) >= 8 else None
+        if opened is None and t >= 2.5 * warmup and reference is not None and reference >= 0.2:
+            opened = t
+        kappas[t] = gated._kappa_at(t)
+    assert opened is not None and 1e5 < opened < 2e5
+    assert all(k == 0.0 for t, k in kappas.items() if t < opened)
+    assert all(k == pytest.approx(0.4) for t, k in kappas.items() if t >= opened)
+
+    grown, _ = _feed_with_loss(proof_lr.slope_gated(BatchSizeController(total_tokens=total), gate=0.2,
+                                                    warmup_tokens=warmup), noise, plateau, flat_lr, 400)
+    assert grown and grown[0] * 512.0 > opened
+
+    def halving_at(step0):
+        return lambda step: 1e-3 if step < step0 else 5e-4
+
+    conv = lambda step: 1.5 * 1024.0  # noqa: E731  # 1.0 x 1536 >= 1024: a conversion allowed; 0.4 x 1536 < 1024: no growth
+    shut, conversions_shut = _feed_with_loss(
+        proof_lr.slope_gated(BatchSizeController(total_tokens=total), gate=0.2, warmup_tokens=warmup),
+        conv, plateau, halving_at(100), 300)  # halved at 51,200 tokens: on the plateau
+    open_, conversions_open = _feed_with_loss(
+        proof_lr.slope_gated(BatchSizeController(total_tokens=total), gate=0.2, warmup_tokens=warmup),
+        conv, plateau, halving_at(350), 400)  # halved at 179,200 tokens: past the opening
+    assert (shut, conversions_shut) == ([], 0)
+    assert conversions_open == 1 and len(open_) == 1
