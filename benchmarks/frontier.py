@@ -17,8 +17,9 @@ from 192-token batches, about 1.5 minutes, run only after a candidate was chosen
 ``convert_until`` was chosen on the other four) and ``wide_lr3`` (``wide`` at twice its peak LR, 3e-3, run after
 ``wide``'s) and ``tall`` (6 layers x 64, context 64, peak LR 2.5e-3, the code corpus, 1M tokens from
 256-token batches, defined before any run of the rise-gated rule) and ``long`` (4 layers x 80, context 128, peak
-LR 2e-3, the docstrings, 1M tokens from 256-token batches, defined before any run of the loss-slope rule on it);
-the first two chose the default, the others only judge.
+LR 2e-3, the docstrings, 1M tokens from 256-token batches, defined before any run of the loss-slope rule on it)
+and ``narrow`` (3 layers x 48, context 80, peak LR 4e-3, the docstrings, 1M tokens from 160-token batches, defined
+before any run of the plateau rule); the first two chose the default, the others only judge.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -38,7 +39,8 @@ per e-fold of tokens over the second half of the tokens so far: ``gpt_proof_lr.s
 doubling from the noise scale after ``convert_until`` of the run: ``gpt_proof_lr.held_late``), ``slope0.8`` /
 ``slope1.2`` (its scale 20% lower / higher), ``kappa0.4+convert-until0.85+gate0.2`` (the default with every
 doubling and conversion held while the training loss falls by less than 0.2 nats per e-fold of tokens, a plateau:
-``gpt_proof_lr.slope_gated``).
+``gpt_proof_lr.slope_gated``), ``...+plateau0.15`` (the default with no growth before a quarter of the run, and
+none after if the training loss then falls by less than 0.15 nats per e-fold of tokens: ``gpt_proof_lr.plateau_held``).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
@@ -98,12 +100,13 @@ RULES = {
     "slope0.8+convert-until0.85": "tracker_kappa04_convert_until085_slope08",
     "slope1.2+convert-until0.85": "tracker_kappa04_convert_until085_slope12",
     "kappa0.4+convert-until0.85+gate0.2": "tracker_kappa04_convert_until085_gate02",
+    "kappa0.4+convert-until0.85+plateau0.15": "tracker_kappa04_convert_until085_plateau15",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
 #: panels left to right: the two settings that chose the default, then the five that only judged it
-SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7}
+SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom

@@ -89,6 +89,10 @@ _HOLD_RUN = re.compile(r"(tracker_\w+)_hold")
 #: conversions of LR halvings alike) held while its training loss falls by less than 0.2 nats per e-fold of tokens
 #: (:func:`slope_gated`): no growth on a plateau
 _GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
+#: ``tracker_kappa04_convert_until085_plateau15``: the rule it names, with no growth before a quarter of the run
+#: and none after it either if the training loss then falls by less than 0.15 nats per e-fold of tokens
+#: (:func:`plateau_held`)
+_PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -278,6 +282,31 @@ def slope_gated(controller: Any, *, gate: float, warmup_tokens: float) -> Any:
     return controller
 
 
+def plateau_held(controller: Any, *, below: float, warmup_tokens: float, total_tokens: float,
+                 at: float = 0.25) -> Any:
+    """``controller`` (a ``BatchSizeController``), changed in place so that it does not grow (``kappa`` and
+    ``conversion_kappa`` 0) before ``at`` of the run, and then decides once, from the slope of
+    :func:`slope_kappa` at its first update past ``at``: below ``below`` nats per e-fold of tokens (a loss still
+    on its plateau) it never grows; otherwise it is the rule it was for the rest of the run. A prototype for the
+    frontier, not the library's: on the GPTs whose loss sat on a plateau for the first quarter of the run every
+    doubling cost loss, and a growth gated by the slope alone leaked onto the plateau."""
+    base_kappa_at, conversion_kappa = type(controller)._kappa_at, controller.conversion_kappa
+    slope_kappa(controller, scale=1.0, warmup_tokens=warmup_tokens, cap=math.inf)
+
+    class PlateauHeld(type(controller)):  # type: ignore[misc]
+        def _kappa_at(self, tokens: float) -> float:
+            if tokens >= at * total_tokens and self.plateau_held is None:
+                self.plateau_slope = self.slope_value
+                self.plateau_held = self.slope_value is None or self.slope_value < below
+            grows = self.plateau_held is False
+            self.conversion_kappa = conversion_kappa if grows else 0.0
+            return base_kappa_at(self, tokens) if grows else 0.0
+
+    controller.plateau_held, controller.plateau_slope = None, None
+    controller.__class__ = PlateauHeld
+    return controller
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
@@ -297,6 +326,11 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return slope_kappa(make_controller(replace(run, schedule=slope_run.group(1)), setting),
                            scale=int(slope_run.group(2)) + int(slope_run.group(3)) / 10,
                            warmup_tokens=setting.warmup_tokens)
+    plateau_run = _PLATEAU_RUN.fullmatch(run.schedule)
+    if plateau_run is not None:
+        return plateau_held(make_controller(replace(run, schedule=plateau_run.group(1)), setting),
+                            below=int(plateau_run.group(2)) / 100, warmup_tokens=setting.warmup_tokens,
+                            total_tokens=setting.budget_tokens)
     gate_run = _GATE_RUN.fullmatch(run.schedule)
     if gate_run is not None:
         return slope_gated(make_controller(replace(run, schedule=gate_run.group(1)), setting),
