@@ -423,3 +423,50 @@ def test_a_gated_rule_grows_only_while_the_loss_falls_by_the_gate_per_e_fold_of_
         conv, plateau, halving_at(350), 400)  # halved at 179,200 tokens: past the opening
     assert (shut, conversions_shut) == ([], 0)
     assert conversions_open == 1 and len(open_) == 1
+
+
+def test_a_plateau_rule_waits_a_quarter_of_the_run_then_grows_only_if_the_loss_has_left_its_plateau(frontier):
+    """``_plateau15``: with a noise scale the default grows on after its warm-up, the rule does not grow before a
+    quarter of the run. There it reads the loss's slope once (numpy's ``polyfit`` over the second half of the
+    tokens, the slow reference): on a loss falling 0.3 nats per e-fold it then grows as the default does, and
+    converts a halving of the scheduled LR; on one falling 0.1 (a plateau) it never grows nor converts."""
+    import math
+
+    import numpy as np
+
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    proof_lr, steps, warmup = frontier.proof_lr, 1200, 10_000.0
+    total = steps * 512.0
+
+    def rule():
+        return proof_lr.plateau_held(BatchSizeController(total_tokens=total), below=0.15, warmup_tokens=warmup,
+                                     total_tokens=total)
+
+    steep = lambda t: 3 - 0.3 * math.log(t)  # noqa: E731
+    flat = lambda t: 3 - 0.1 * math.log(t)  # noqa: E731
+    noise = lambda step: 10 * 512.0  # noqa: E731  # 0.4 x 5120 >= 2 x 512 x 1.1
+    lr = lambda step: 1e-3 if step < 900 else 5e-4  # noqa: E731  # halved at 75% of the run
+    default, _ = _feed_with_loss(BatchSizeController(total_tokens=total), noise, steep, lr, steps)
+    assert default and default[0] * 512.0 < 0.25 * total
+    grown, _ = _feed_with_loss(rule(), noise, steep, lr, steps)
+    assert grown and grown[0] * 512.0 > 0.25 * total
+    held, held_conversions = _feed_with_loss(rule(), noise, flat, lr, steps)
+    assert (held, held_conversions) == ([], 0)
+
+    converting = lambda step: 1.5 * 1024.0  # noqa: E731  # 1.0 x 1536 >= 1024: converts; 0.4 x 1536 < 1024: no growth
+    assert _feed_with_loss(rule(), converting, steep, lr, steps) == ([900], 1)
+    assert _feed_with_loss(rule(), converting, flat, lr, steps) == ([], 0)
+    early = lambda step: 1e-3 if step < 200 else 5e-4  # noqa: E731  # halved before a quarter of the run
+    assert _feed_with_loss(rule(), converting, steep, early, steps) == ([], 0)
+
+    ctrl = rule()
+    for step in range(1, steps + 1):  # the verdict's slope against the reference at the first step past a quarter
+        t = 512.0 * step
+        ctrl.observe_loss(t, flat(t))
+        ctrl._kappa_at(t)
+        if ctrl.plateau_held is not None:
+            xs = [512.0 * k for k in range(1, step + 1) if 512.0 * k >= max(t / 2, 2 * warmup)]
+            assert t >= 0.25 * total > t - 512.0
+            assert ctrl.plateau_slope == pytest.approx(-np.polyfit(np.log(xs), [flat(x) for x in xs], 1)[0], rel=1e-6)
+            break
