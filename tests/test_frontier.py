@@ -471,3 +471,8 @@ def test_a_plateau_rule_waits_a_quarter_of_the_run_then_grows_only_if_the_loss_h
             assert t >= 0.25 * total > t - 512.0
             assert ctrl.plateau_slope == pytest.approx(-np.polyfit(np.log(xs), [flat(x) for x in xs], 1)[0], rel=1e-6)
             break
+    else:
+        pytest.fail("no verdict in the whole run")
+    with pytest.raises(ValueError, match=r"at=0.25.*2.5 x the warm-up"):  # no slope yet at a quarter of the run
+        proof_lr.plateau_held(BatchSizeController(total_tokens=total), below=0.15, warmup_tokens=0.2 * total,
+                              total_tokens=total)

@@ -290,6 +290,9 @@ def plateau_held(controller: Any, *, below: float, warmup_tokens: float, total_t
     on its plateau) it never grows; otherwise it is the rule it was for the rest of the run. A prototype for the
     frontier, not the library's: on the GPTs whose loss sat on a plateau for the first quarter of the run every
     doubling cost loss, and a growth gated by the slope alone leaked onto the plateau."""
+    if 2.5 * warmup_tokens > at * total_tokens:
+        raise ValueError(f"plateau_held(at={at!r}): the slope is read from 2.5 x the warm-up, {2.5 * warmup_tokens:g} "
+                         f"tokens, past {at!r} of the run ({at * total_tokens:g} tokens): no slope to decide from")
     base_kappa_at, conversion_kappa = type(controller)._kappa_at, controller.conversion_kappa
     slope_kappa(controller, scale=1.0, warmup_tokens=warmup_tokens, cap=math.inf)
 
