@@ -473,6 +473,16 @@ def test_a_plateau_rule_waits_a_quarter_of_the_run_then_grows_only_if_the_loss_h
             break
     else:
         pytest.fail("no verdict in the whole run")
+    named = {name: proof_lr.make_controller(proof_lr.Run(name, 0, "cosine"), frontier.base.SETTINGS["wide"])
+             for name in ("tracker_kappa04_convert_until085_plateau15", "tracker_kappa04_convert_until085_plateau15_at31")}
+    for name, ctrl_ in named.items():  # the named verdict point: no growth just before it, the verdict just past it
+        at = 0.31 if name.endswith("_at31") else 0.25
+        budget = frontier.base.SETTINGS["wide"].budget_tokens
+        for t in range(1000, int(at * budget), 1000):
+            ctrl_.observe_loss(float(t), flat(float(t)))
+            assert ctrl_._kappa_at(float(t)) == 0.0 and ctrl_.plateau_held is None
+        ctrl_.observe_loss(at * budget, flat(at * budget))
+        assert ctrl_._kappa_at(at * budget) == 0.0 and ctrl_.plateau_held is True
     with pytest.raises(ValueError, match=r"at=0.25.*2.5 x the warm-up"):  # no slope yet at a quarter of the run
         proof_lr.plateau_held(BatchSizeController(total_tokens=total), below=0.15, warmup_tokens=0.2 * total,
                               total_tokens=total)

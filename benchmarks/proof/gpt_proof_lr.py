@@ -91,8 +91,8 @@ _HOLD_RUN = re.compile(r"(tracker_\w+)_hold")
 _GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
 #: ``tracker_kappa04_convert_until085_plateau15``: the rule it names, with no growth before a quarter of the run
 #: and none after it either if the training loss then falls by less than 0.15 nats per e-fold of tokens
-#: (:func:`plateau_held`)
-_PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)")
+#: (:func:`plateau_held`); ``..._plateau15_at19``: the verdict at 0.19 of the run in place of a quarter
+_PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -333,7 +333,8 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     if plateau_run is not None:
         return plateau_held(make_controller(replace(run, schedule=plateau_run.group(1)), setting),
                             below=int(plateau_run.group(2)) / 100, warmup_tokens=setting.warmup_tokens,
-                            total_tokens=setting.budget_tokens)
+                            total_tokens=setting.budget_tokens,
+                            at=0.25 if plateau_run.group(3) is None else int(plateau_run.group(3)) / 100)
     gate_run = _GATE_RUN.fullmatch(run.schedule)
     if gate_run is not None:
         return slope_gated(make_controller(replace(run, schedule=gate_run.group(1)), setting),
