@@ -263,23 +263,32 @@ def slope_kappa(controller: Any, *, scale: float, warmup_tokens: float, cap: flo
     return controller
 
 
+def _growth_switched(controller: Any, *, warmup_tokens: float, grows: Any) -> Any:
+    """``controller`` (a ``BatchSizeController``), changed in place so that it keeps the slope of
+    :func:`slope_kappa` (``slope_value``) and grows only where ``grows(controller, tokens)`` says so: elsewhere
+    ``kappa`` and ``conversion_kappa`` are 0 (a halving of the scheduled LR then decays as scheduled); there, the
+    rule it had."""
+    base_kappa_at, conversion_kappa = type(controller)._kappa_at, controller.conversion_kappa
+    slope_kappa(controller, scale=1.0, warmup_tokens=warmup_tokens, cap=math.inf)
+
+    class GrowthSwitched(type(controller)):  # type: ignore[misc]
+        def _kappa_at(self, tokens: float) -> float:
+            on = grows(self, tokens)
+            self.conversion_kappa = conversion_kappa if on else 0.0
+            return base_kappa_at(self, tokens) if on else 0.0
+
+    controller.__class__ = GrowthSwitched
+    return controller
+
+
 def slope_gated(controller: Any, *, gate: float, warmup_tokens: float) -> Any:
     """``controller`` (a ``BatchSizeController``), changed in place so that it grows only while the run's training
     loss falls by at least ``gate`` nats per e-fold of tokens (the slope of :func:`slope_kappa`, read from 2.5 x the
     warm-up on): below it, ``kappa`` is 0 and so is ``conversion_kappa`` (a halving of the scheduled LR then decays
     as scheduled); above it, the rule it had. Not latched: the gate opens and closes with the slope. A prototype
     for the frontier, not the library's: a run on a loss plateau is read as one that needs its steps."""
-    base_kappa_at, conversion_kappa = type(controller)._kappa_at, controller.conversion_kappa
-    slope_kappa(controller, scale=1.0, warmup_tokens=warmup_tokens, cap=math.inf)
-
-    class SlopeGated(type(controller)):  # type: ignore[misc]
-        def _kappa_at(self, tokens: float) -> float:
-            is_open = self.slope_value is not None and self.slope_value >= gate
-            self.conversion_kappa = conversion_kappa if is_open else 0.0
-            return base_kappa_at(self, tokens) if is_open else 0.0
-
-    controller.__class__ = SlopeGated
-    return controller
+    return _growth_switched(controller, warmup_tokens=warmup_tokens,
+                            grows=lambda ctrl, tokens: ctrl.slope_value is not None and ctrl.slope_value >= gate)
 
 
 def plateau_held(controller: Any, *, below: float, warmup_tokens: float, total_tokens: float,
@@ -293,21 +302,15 @@ def plateau_held(controller: Any, *, below: float, warmup_tokens: float, total_t
     if 2.5 * warmup_tokens > at * total_tokens:
         raise ValueError(f"plateau_held(at={at!r}): the slope is read from 2.5 x the warm-up, {2.5 * warmup_tokens:g} "
                          f"tokens, past {at!r} of the run ({at * total_tokens:g} tokens): no slope to decide from")
-    base_kappa_at, conversion_kappa = type(controller)._kappa_at, controller.conversion_kappa
-    slope_kappa(controller, scale=1.0, warmup_tokens=warmup_tokens, cap=math.inf)
 
-    class PlateauHeld(type(controller)):  # type: ignore[misc]
-        def _kappa_at(self, tokens: float) -> float:
-            if tokens >= at * total_tokens and self.plateau_held is None:
-                self.plateau_slope = self.slope_value
-                self.plateau_held = self.slope_value is None or self.slope_value < below
-            grows = self.plateau_held is False
-            self.conversion_kappa = conversion_kappa if grows else 0.0
-            return base_kappa_at(self, tokens) if grows else 0.0
+    def grows(ctrl: Any, tokens: float) -> bool:
+        if tokens >= at * total_tokens and ctrl.plateau_held is None:  # the verdict, once
+            ctrl.plateau_slope = ctrl.slope_value
+            ctrl.plateau_held = ctrl.slope_value is None or ctrl.slope_value < below
+        return ctrl.plateau_held is False
 
     controller.plateau_held, controller.plateau_slope = None, None
-    controller.__class__ = PlateauHeld
-    return controller
+    return _growth_switched(controller, warmup_tokens=warmup_tokens, grows=grows)
 
 
 def make_controller(run: Run, setting: base.Setting) -> Any:
