@@ -41,7 +41,9 @@ doubling from the noise scale after ``convert_until`` of the run: ``gpt_proof_lr
 doubling and conversion held while the training loss falls by less than 0.2 nats per e-fold of tokens, a plateau:
 ``gpt_proof_lr.slope_gated``), ``...+plateau0.15`` (the default with no growth before a quarter of the run, and
 none after if the training loss then falls by less than 0.15 nats per e-fold of tokens: ``gpt_proof_lr.plateau_held``;
-``plateau0.11``: its threshold 25% lower; ``plateau0.15@0.19`` / ``@0.31``: its verdict at 0.19 / 0.31 of the run).
+``plateau0.11``: its threshold 25% lower; ``plateau0.15@0.19`` / ``@0.31``: its verdict at 0.19 / 0.31 of the run;
+``...+plateau0.15+exit0.3``: a run held at the verdict grows, as the default, from the first update where the loss
+falls by 0.3 nats per e-fold of tokens, off its plateau; ``exit0.22``: that exit 25% lower).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
@@ -105,6 +107,8 @@ RULES = {
     "kappa0.4+convert-until0.85+plateau0.11": "tracker_kappa04_convert_until085_plateau11",
     "kappa0.4+convert-until0.85+plateau0.15@0.19": "tracker_kappa04_convert_until085_plateau15_at19",
     "kappa0.4+convert-until0.85+plateau0.15@0.31": "tracker_kappa04_convert_until085_plateau15_at31",
+    "kappa0.4+convert-until0.85+plateau0.15+exit0.3": "tracker_kappa04_convert_until085_plateau15_exit30",
+    "kappa0.4+convert-until0.85+plateau0.15+exit0.22": "tracker_kappa04_convert_until085_plateau15_exit22",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)

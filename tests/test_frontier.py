@@ -486,3 +486,50 @@ def test_a_plateau_rule_waits_a_quarter_of_the_run_then_grows_only_if_the_loss_h
     with pytest.raises(ValueError, match=r"at=0.25.*2.5 x the warm-up"):  # no slope yet at a quarter of the run
         proof_lr.plateau_held(BatchSizeController(total_tokens=total), below=0.15, warmup_tokens=0.2 * total,
                               total_tokens=total)
+
+
+def test_a_plateau_rule_with_an_exit_grows_from_where_the_loss_leaves_its_plateau(frontier):
+    """``_plateau15_exit30``: on a loss that falls 0.1 nats per e-fold of tokens (a plateau) up to half the run
+    and 0.6 after, the verdict at a quarter holds, and the rule grows from the first update where the slope
+    (numpy's ``polyfit`` over the second half of the tokens, the slow reference) reaches 0.3, not before; without
+    the exit it never grows. An exit below the verdict's threshold is refused, naming both."""
+    import math
+
+    import numpy as np
+
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    proof_lr, steps, warmup = frontier.proof_lr, 1600, 10_000.0
+    total, knee = steps * 512.0, 800 * 512.0
+    bent = lambda t: 3 - 0.1 * math.log(min(t, knee)) - 0.6 * math.log(max(t, knee) / knee)  # noqa: E731
+    noise = lambda step: 10 * 512.0  # noqa: E731  # the default grows on it from the start
+    lr = lambda step: 1e-3  # noqa: E731
+
+    def rule(exit):
+        return proof_lr.plateau_held(BatchSizeController(total_tokens=total), below=0.15, warmup_tokens=warmup,
+                                     total_tokens=total, exit=exit)
+
+    def reference(step):
+        t = 512.0 * step
+        xs = [512.0 * k for k in range(1, step + 1) if 512.0 * k >= max(t / 2, 2 * warmup)]
+        return -np.polyfit(np.log(xs), [bent(x) for x in xs], 1)[0]
+
+    crossing = next(s for s in range(400, steps + 1) if reference(s) >= 0.3)
+    assert 800 < crossing < 1200 and reference(crossing - 1) < 0.3
+    ctrl = rule(0.3)
+    for step in range(1, steps + 1):
+        t = 512.0 * step
+        ctrl.observe_loss(t, bent(t))
+        ctrl._kappa_at(t)
+        if step < crossing:
+            assert ctrl.plateau_exit is None and ctrl.plateau_held is (None if t < 0.25 * total else True)
+    assert ctrl.plateau_exit == 512.0 * crossing and ctrl.plateau_held is False
+
+    grown, _ = _feed_with_loss(rule(0.3), noise, bent, lr, steps)
+    assert grown and crossing <= grown[0] < steps
+    assert _feed_with_loss(rule(None), noise, bent, lr, steps) == ([], 0)
+    named = proof_lr.make_controller(proof_lr.Run("tracker_kappa04_convert_until085_plateau15_exit30", 0, "cosine"),
+                                     frontier.base.SETTINGS["wide"])
+    assert named.plateau_exit_above == 0.3 and named.plateau_exit is None and named._kappa_at(1.0) == 0.0
+    with pytest.raises(ValueError, match=r"exit=0.1.*below=0.15"):
+        rule(0.1)

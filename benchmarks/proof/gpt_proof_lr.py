@@ -91,8 +91,9 @@ _HOLD_RUN = re.compile(r"(tracker_\w+)_hold")
 _GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
 #: ``tracker_kappa04_convert_until085_plateau15``: the rule it names, with no growth before a quarter of the run
 #: and none after it either if the training loss then falls by less than 0.15 nats per e-fold of tokens
-#: (:func:`plateau_held`); ``..._plateau15_at19``: the verdict at 0.19 of the run in place of a quarter
-_PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?")
+#: (:func:`plateau_held`); ``..._plateau15_at19``: the verdict at 0.19 of the run in place of a quarter;
+#: ``..._plateau15_exit30``: a run held at the verdict grows from the first update where the slope reaches 0.3
+_PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?(?:_exit(\d\d))?")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -292,24 +293,33 @@ def slope_gated(controller: Any, *, gate: float, warmup_tokens: float) -> Any:
 
 
 def plateau_held(controller: Any, *, below: float, warmup_tokens: float, total_tokens: float,
-                 at: float = 0.25) -> Any:
+                 at: float = 0.25, exit: float | None = None) -> Any:
     """``controller`` (a ``BatchSizeController``), changed in place so that it does not grow (``kappa`` and
     ``conversion_kappa`` 0) before ``at`` of the run, and then decides once, from the slope of
     :func:`slope_kappa` at its first update past ``at``: below ``below`` nats per e-fold of tokens (a loss still
-    on its plateau) it never grows; otherwise it is the rule it was for the rest of the run. A prototype for the
-    frontier, not the library's: on the GPTs whose loss sat on a plateau for the first quarter of the run every
-    doubling cost loss, and a growth gated by the slope alone leaked onto the plateau."""
+    on its plateau) it holds; otherwise it is the rule it was for the rest of the run. A run held there never
+    grows, unless ``exit`` is given: then it is the rule it was from the first update where the slope reaches
+    ``exit`` (the loss has left its plateau; ``plateau_exit`` keeps the tokens). A prototype for the frontier, not
+    the library's: on the GPTs whose loss sat on a plateau for the first quarter of the run every doubling cost
+    loss, and a growth gated by the slope alone leaked onto the plateau."""
     if 2.5 * warmup_tokens > at * total_tokens:
         raise ValueError(f"plateau_held(at={at!r}): the slope is read from 2.5 x the warm-up, {2.5 * warmup_tokens:g} "
                          f"tokens, past {at!r} of the run ({at * total_tokens:g} tokens): no slope to decide from")
+    if exit is not None and not exit >= below:
+        raise ValueError(f"plateau_held(exit={exit!r}): must be at least below={below!r}, the slope the verdict "
+                         "holds under (or None: a held run never grows)")
 
     def grows(ctrl: Any, tokens: float) -> bool:
         if tokens >= at * total_tokens and ctrl.plateau_held is None:  # the verdict, once
             ctrl.plateau_slope = ctrl.slope_value
             ctrl.plateau_held = ctrl.slope_value is None or ctrl.slope_value < below
+        elif (ctrl.plateau_held and exit is not None and ctrl.slope_value is not None
+              and ctrl.slope_value >= exit):  # off the plateau: latched
+            ctrl.plateau_held, ctrl.plateau_exit = False, tokens
         return ctrl.plateau_held is False
 
-    controller.plateau_held, controller.plateau_slope = None, None
+    controller.plateau_held, controller.plateau_slope, controller.plateau_exit = None, None, None
+    controller.plateau_exit_above = exit
     return _growth_switched(controller, warmup_tokens=warmup_tokens, grows=grows)
 
 
@@ -337,7 +347,8 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return plateau_held(make_controller(replace(run, schedule=plateau_run.group(1)), setting),
                             below=int(plateau_run.group(2)) / 100, warmup_tokens=setting.warmup_tokens,
                             total_tokens=setting.budget_tokens,
-                            at=0.25 if plateau_run.group(3) is None else int(plateau_run.group(3)) / 100)
+                            at=0.25 if plateau_run.group(3) is None else int(plateau_run.group(3)) / 100,
+                            exit=None if plateau_run.group(4) is None else int(plateau_run.group(4)) / 100)
     gate_run = _GATE_RUN.fullmatch(run.schedule)
     if gate_run is not None:
         return slope_gated(make_controller(replace(run, schedule=gate_run.group(1)), setting),
