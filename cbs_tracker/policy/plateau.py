@@ -1,0 +1,199 @@
+"""No growth while the training loss sits on a plateau: the run's own loss curve, read once a quarter in.
+
+On the small GPTs of the frontier, every rule that grew the batch while the loss fell slowly (less than about
+0.15 nats per e-fold of tokens, a plateau) ended above the constant batch, whatever its noise scale said; where
+the loss fell faster, growth kept it. :class:`LossSlope` fits the loss against the log of the tokens,
+``-dL / d ln T``, by least squares over the second half of the tokens seen (from twice the LR's warm-up on);
+:class:`PlateauHold` holds growth until ``at`` of the run, reads the slope there once, and holds for good
+below ``below`` (unless the slope later reaches ``exit``); otherwise the controller's rule is in force.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from cbs_tracker.policy._state import StateReader
+
+__all__ = ["LossSlope", "PlateauHold"]
+
+#: the fewest points a slope is read from
+MIN_POINTS = 8
+
+
+class LossSlope:
+    """``-dL / d ln T`` of the step losses given (:meth:`add`), by least squares over those at
+    ``T >= max(T_now / 2, 2 w)``, ``w`` the tokens where the scheduled LR last rose (its warm-up; 0 without a
+    scheduled LR). No slope before ``2.5 w`` nor from fewer than :data:`MIN_POINTS` points."""
+
+    def __init__(self) -> None:
+        self.points: deque[tuple[float, float]] = deque()  # (tokens, loss), oldest first
+        self.sums = [0.0] * 5  # n, sum x, sum y, sum x^2, sum x y over the points (x = ln tokens)
+        self.warmup = 0.0  # the tokens where the scheduled LR last rose
+        self._lr = -math.inf  # the last scheduled LR seen
+        self.seen = 0  # losses given since the start (the ones the fit dropped included)
+
+    def observe_lr(self, tokens: float, scheduled_lr: float | None) -> None:
+        """The scheduled LR at an update: while it rises, its warm-up runs to ``tokens``."""
+        if scheduled_lr is None:
+            return
+        if scheduled_lr > self._lr:
+            self.warmup = float(tokens)
+        self._lr = float(scheduled_lr)
+
+    def _change(self, tokens: float, loss: float, sign: float) -> None:
+        x = math.log(tokens)
+        for k, v in enumerate((1.0, x, loss, x * x, x * loss)):
+            self.sums[k] += sign * v
+
+    def add(self, tokens: float, loss: float) -> None:
+        """One step's loss at ``tokens`` (all ranks' units so far); the points before the fit's start leave."""
+        self.seen += 1
+        self.points.append((tokens, loss))
+        self._change(tokens, loss, 1.0)
+        start = max(tokens / 2, 2 * self.warmup)
+        while self.points and self.points[0][0] < start:
+            self._change(*self.points.popleft(), -1.0)
+
+    def clear(self) -> None:
+        """Forget the points (the slope is no longer needed)."""
+        self.points.clear()
+        self.sums = [0.0] * 5
+
+    def slope(self, tokens: float, sums: list[float] | None = None) -> float | None:
+        """The slope at ``tokens`` from ``sums`` (default: this rank's; all ranks' added up give the fit of
+        all their points), or ``None`` where it is not read."""
+        n, sx, sy, sxx, sxy = self.sums if sums is None else sums
+        spread = sxx - sx * sx / n if n else 0.0
+        if tokens < 2.5 * self.warmup or n < MIN_POINTS or spread <= 0:
+            return None
+        return -(sxy - sx * sy / n) / spread
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_points": [list(p) for p in self.points], "loss_sums": list(self.sums),
+                "loss_warmup": self.warmup, "loss_last_lr": None if self._lr == -math.inf else self._lr,
+                "losses_seen": self.seen}
+
+    @staticmethod
+    def parse_state(read: StateReader) -> dict[str, Any]:
+        points = read.state.get("loss_points", [])
+        sums = read.state.get("loss_sums", [0.0] * 5)
+        ok = isinstance(points, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(_finite(v) for v in p) and p[0] > 0 for p in points)
+        if not ok:
+            raise TypeError(f"{read.owner}: state['loss_points']={points!r}: expected a list of [tokens > 0, loss] "
+                            "pairs of finite numbers")
+        if not (isinstance(sums, (list, tuple)) and len(sums) == 5 and all(_finite(v) for v in sums)):
+            raise TypeError(f"{read.owner}: state['loss_sums']={sums!r}: expected 5 finite numbers")
+        last = read.state.get("loss_last_lr")
+        if last is not None and not _finite(last):
+            raise TypeError(f"{read.owner}: state['loss_last_lr']={last!r}: expected a finite number or None")
+        return {"points": [(float(t), float(y)) for t, y in points], "sums": [float(v) for v in sums],
+                "warmup": read.number("loss_warmup", minimum=0.0, default=0.0),
+                "lr": -math.inf if last is None else float(last),
+                "seen": read.integer("losses_seen", minimum=0, default=0)}
+
+    def assign(self, parsed: dict[str, Any]) -> None:
+        self.points, self.sums = deque(parsed["points"]), parsed["sums"]
+        self.warmup, self._lr, self.seen = parsed["warmup"], parsed["lr"], parsed["seen"]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class PlateauHold:
+    """Growth held until ``at`` of the run; there, one verdict from the loss's slope: below ``below`` the run
+    holds (until the slope reaches ``exit``, if given), otherwise the controller's rule is in force from then on.
+
+    ``pool`` adds up every data-parallel rank's fit sums (identity on one rank), so that every rank reads the
+    same slope; it is called at the verdict and, while held with an ``exit``, at each update after it.
+    """
+
+    def __init__(self, below: float | None, at: float, exit: float | None) -> None:
+        self.below, self.at, self.exit = below, at, exit
+        self.slope = LossSlope()
+        self.pool: Callable[[list[float]], list[float]] = lambda sums: sums
+        self.held: bool | None = None  # None: no verdict yet
+        self.verdict_slope: float | None = None  # the slope read at the verdict
+        self.verdict_tokens: float | None = None
+        self.exit_tokens: float | None = None  # where a held run left its plateau
+        self.unread = False  # the verdict came and no rank had been given a loss
+
+    @property
+    def active(self) -> bool:
+        return self.below is not None
+
+    def holds(self, tokens: float, total: float | None) -> bool:
+        """Growth is held at ``tokens`` (before the verdict: while the run is short of ``at`` of ``total``; no
+        ``total``, no hold)."""
+        if not self.active or self.held is False:
+            return False
+        if self.held:
+            return True
+        return total is not None and tokens < self.at * total
+
+    def decide(self, tokens: float, total: float | None) -> str | None:
+        """The verdict at the first update past ``at`` of the run, and a held run's exit; returns what
+        happened, to be said (``None``: nothing; :attr:`unread` set: a warning)."""
+        if not self.active or total is None or self.held is False or tokens < self.at * total:
+            return None
+        if self.held is None:
+            self.verdict_tokens = tokens
+            self.verdict_slope, seen = self._read(tokens)
+            if not seen:  # no rank was given a loss: nothing to read
+                self.held, self.unread = False, True
+                return (f"no training loss reached the controller (observe_loss) by {tokens:.4g} units, "
+                        f"{self.at:g} of the run: hold_on_plateau={self.below:g} read nothing and the growth "
+                        "rule is in force. Pass each step's loss (the guide names the adapters that do)")
+            self.held = self.verdict_slope is None or self.verdict_slope < self.below  # type: ignore[operator]
+            if not (self.held and self.exit is not None):
+                self.slope.clear()  # the verdict is final: no more points are needed
+            read = "no slope (too few losses)" if self.verdict_slope is None else f"slope {self.verdict_slope:.3f}"
+            return (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): {read} nats per e-fold of "
+                    "tokens; " + (f"below {self.below:g}, growth held" if self.held else
+                                  f"at least {self.below:g}, the growth rule is in force"))
+        if self.exit is None:
+            return None
+        slope, _ = self._read(tokens)
+        if slope is None or slope < self.exit:
+            return None
+        self.held, self.exit_tokens = False, tokens
+        self.slope.clear()
+        return f"plateau left at {tokens:.4g} units: slope {slope:.3f} >= exit {self.exit:g}; growth resumes"
+
+    def _read(self, tokens: float) -> tuple[float | None, float]:
+        """The slope of every rank's points and the losses every rank was given (one :attr:`pool`)."""
+        pooled = self.pool([*self.slope.sums, float(self.slope.seen)])
+        return self.slope.slope(tokens, pooled[:5]), pooled[5]
+
+    @property
+    def collecting(self) -> bool:
+        """Losses are still needed (before the verdict, or held with an ``exit``)."""
+        return self.active and (self.held is None or (self.held and self.exit is not None))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.slope.state_dict(), "plateau_held": self.held, "plateau_verdict_slope": self.verdict_slope,
+                "plateau_verdict_tokens": self.verdict_tokens, "plateau_exit_tokens": self.exit_tokens}
+
+    @staticmethod
+    def parse_state(read: StateReader) -> dict[str, Any]:
+        held = read.state.get("plateau_held")
+        if held is not None and not isinstance(held, bool):
+            raise TypeError(f"{read.owner}: state['plateau_held']={held!r}: expected True, False or None")
+        parsed = {"slope": LossSlope.parse_state(read), "held": held}
+        for key in ("verdict_slope", "verdict_tokens", "exit_tokens"):
+            value = read.state.get("plateau_" + key)
+            if value is not None and not _finite(value):
+                raise TypeError(f"{read.owner}: state['plateau_{key}']={value!r}: expected a finite number or None")
+            parsed[key] = None if value is None else float(value)
+        return parsed
+
+    def assign(self, parsed: dict[str, Any]) -> None:
+        self.slope.assign(parsed["slope"])
+        self.held, self.verdict_slope = parsed["held"], parsed["verdict_slope"]
+        self.verdict_tokens, self.exit_tokens = parsed["verdict_tokens"], parsed["exit_tokens"]

@@ -1,0 +1,186 @@
+"""``hold_on_plateau``: the loss's slope against numpy's least squares, the decisions against the frontier's
+prototype (``benchmarks/proof/gpt_proof_lr.plateau_held``, separate code) step for step, resume, several ranks'
+pooled fit, and what the option says when it cannot read."""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+
+import numpy as np
+import pytest
+
+from cbs_tracker.policy.controller import BatchSizeController
+from cbs_tracker.policy.plateau import LossSlope
+from tests.scripts import load_script
+
+MICRO, STEPS, WARMUP = 512.0, 1200, 20 * 512.0
+TOTAL = STEPS * MICRO
+
+
+@pytest.fixture(scope="module")
+def proof_lr():
+    return load_script("benchmarks/frontier.py", "frontier_for_plateau").proof_lr
+
+
+def steep(t):
+    return 3 - 0.3 * math.log(t)
+
+
+def flat(t):
+    return 3 - 0.1 * math.log(t)
+
+
+def bent(t, knee=600 * MICRO):  # a plateau to half the run, then a fast fall
+    return 3 - 0.1 * math.log(min(t, knee)) - 0.6 * math.log(max(t, knee) / knee)
+
+
+def lr_at(tokens, halve_at=900 * MICRO):
+    """A linear warm-up over WARMUP tokens, then constant, halved at ``halve_at``."""
+    return 1e-3 * min(1.0, tokens / WARMUP) * (0.5 if tokens >= halve_at else 1.0)
+
+
+def feed(ctrl, loss_at, *, noise=10 * MICRO, steps=STEPS, start=1, acc=1, jitter=0.0, rng=None):
+    """The controller over a run: each step's loss (``observe_loss``) before its update, a noise scale the
+    default grows on, the LR of :func:`lr_at` for the coming step. Returns the steps where the batch changed,
+    the conversions, and the accumulation and tokens where it stopped."""
+    tokens, changed, decision = (start - 1) * MICRO * acc, [], None
+    for step in range(start, steps + 1):
+        tokens += MICRO * acc
+        loss = loss_at(tokens) + (rng.gauss(0, jitter) if rng else 0.0)
+        if getattr(ctrl, "observe_loss", None) is not None:
+            ctrl.observe_loss(tokens, loss)
+        decision = ctrl.update(step=step, tokens_seen=tokens, global_batch=MICRO * acc, accumulation_steps=acc,
+                               noise_scale=noise, noise_scale_low=noise, noise_scale_high=noise,
+                               scheduled_lr=lr_at(tokens))
+        if decision.changed:
+            changed.append(step)
+        acc = decision.accumulation_steps
+    return changed, decision.lr_conversions
+
+
+def test_the_slope_is_the_least_squares_fit_over_the_second_half_from_twice_the_lrs_warm_up():
+    rng = random.Random(0)
+    slope = LossSlope()
+    seen = []
+    for step in range(1, 400):
+        t = 100.0 * step
+        slope.observe_lr(t - 100.0, 1e-3 * min(1.0, (t - 100.0) / 3000.0))  # the update before this loss
+        y = flat(t) + rng.gauss(0, 0.05)
+        slope.add(t, y)
+        seen.append((t, y))
+        xs = [(a, b) for a, b in seen if a >= max(t / 2, 2 * 3000.0)]
+        value = slope.slope(t)
+        if t < 2.5 * 3000.0 or len(xs) < 8:
+            assert value is None
+            continue
+        reference = -np.polyfit(np.log([a for a, _ in xs]), [b for _, b in xs], 1)[0]
+        assert value == pytest.approx(reference, rel=1e-6, abs=1e-9)
+    assert slope.warmup == 3000.0
+    assert 0.05 < value < 0.15  # the planted 0.1, read through the noise
+
+
+@pytest.mark.parametrize("loss_at", [steep, flat, bent], ids=["steep", "flat", "bent"])
+@pytest.mark.parametrize("exit", [None, 0.3], ids=["no-exit", "exit0.3"])
+def test_the_library_decides_as_the_frontiers_prototype_step_for_step(proof_lr, loss_at, exit):
+    """Same losses (with noise), noise scale and LR: the same doublings at the same steps and the same
+    conversions as ``plateau_held`` on the default controller; and on the steep loss the first growth comes
+    after a quarter of the run, where the default without the option grows earlier."""
+    library = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_exit=exit)
+    prototype = proof_lr.plateau_held(BatchSizeController(total_tokens=TOTAL), below=0.15, warmup_tokens=WARMUP,
+                                      total_tokens=TOTAL, exit=exit)
+    ours = feed(library, loss_at, rng=random.Random(1), jitter=0.02)
+    theirs = feed(prototype, loss_at, rng=random.Random(1), jitter=0.02)
+    assert ours == theirs
+    assert library.plateau.held == prototype.plateau_held
+    assert library.plateau.verdict_slope == pytest.approx(prototype.plateau_slope, rel=1e-9)
+    if loss_at is steep:
+        default, _ = feed(BatchSizeController(total_tokens=TOTAL), loss_at)
+        assert default[0] * MICRO < 0.25 * TOTAL < ours[0][0] * MICRO
+    if loss_at is flat:
+        assert ours == ([], 0) and library.plateau.held is True
+    if loss_at is bent:
+        assert bool(ours[0]) == (exit is not None)
+
+
+def test_a_resumed_controller_decides_as_the_uninterrupted_one():
+    """Saved before the verdict (its loss points in the state) and after it, loaded into a fresh controller:
+    the rest of the run changes the batch at the same steps."""
+    def make():
+        return BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_exit=0.3)
+
+    whole = feed(make(), bent)
+    for cut in (250, 700):
+        first = make()
+        head = feed(first, bent, steps=cut)
+        acc = first.accumulation_steps
+        state = first.state_dict()
+        assert (len(state["loss_points"]) > 8) == (cut == 250 or first.plateau.held is True)
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert resumed.plateau.held == first.plateau.held
+        tail = feed(resumed, bent, start=cut + 1, acc=acc)
+        assert head[0] + tail[0] == whole[0]
+
+
+def test_ranks_with_different_losses_read_one_slope_the_fit_of_all_their_points():
+    """Two controllers, one per rank, each given its own losses (one on a plateau, one falling fast); the
+    pool adds up their fit sums: both read the slope numpy fits to all the points, and decide alike."""
+    a = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+    b = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+    sent = {}  # what each rank puts into the all-reduce of this step (both reduce at once)
+    a.plateau.pool = lambda sums: [x + y for x, y in zip(sums, sent[id(b)])]
+    b.plateau.pool = lambda sums: [x + y for x, y in zip(sums, sent[id(a)])]
+    points = []
+    for step in range(1, STEPS + 1):
+        t = MICRO * step
+        a.observe_loss(t, flat(t))
+        b.observe_loss(t, 3 - 0.25 * math.log(t))
+        sent.update({id(c): [*c.plateau.slope.sums, c.plateau.slope.seen] for c in (a, b)})
+        if a.plateau.held is None and t >= 0.25 * TOTAL:
+            points = [(x, y) for x, _ in a.plateau.slope.points for y in (flat(x), 3 - 0.25 * math.log(x))]
+        for ctrl in (a, b):
+            ctrl.update(step=step, tokens_seen=t, global_batch=MICRO, accumulation_steps=1, noise_scale=10 * MICRO,
+                        noise_scale_low=10 * MICRO, noise_scale_high=10 * MICRO, scheduled_lr=lr_at(t))
+    reference = -np.polyfit(np.log([x for x, _ in points]), [y for _, y in points], 1)[0]
+    assert a.plateau.verdict_slope == pytest.approx(reference, rel=1e-6)
+    assert b.plateau.verdict_slope == a.plateau.verdict_slope and 0.15 < reference < 0.25
+    assert a.plateau.held is b.plateau.held is False
+    assert a.accumulation_steps == b.accumulation_steps > 1
+
+
+@pytest.mark.filterwarnings("ignore:.*convert_until=0.85. has no run length")
+def test_without_a_loss_or_a_run_length_it_says_so_and_the_rule_decides_as_without_the_option():
+    plain = feed(BatchSizeController(total_tokens=TOTAL), steep)
+
+    class NoLoss(BatchSizeController):
+        observe_loss = None  # feed() skips it: no loss reaches the controller
+
+    ctrl = NoLoss(total_tokens=TOTAL, hold_on_plateau=0.15)
+    with pytest.warns(UserWarning, match=r"no training loss reached the controller.*hold_on_plateau=0.15"):
+        unread = feed(ctrl, steep)
+    assert ctrl.plateau.unread and ctrl.plateau.held is False
+    held_first = [s for s in plain[0] if s * MICRO < 0.25 * TOTAL]
+    assert held_first and unread[0][0] * MICRO >= 0.25 * TOTAL  # held until the verdict, then the rule's own
+    with pytest.warns(UserWarning, match=r"hold_on_plateau=0.15\) has no run length.*nothing is held"):
+        assert feed(BatchSizeController(hold_on_plateau=0.15), flat) == feed(BatchSizeController(), flat)
+
+
+def test_the_options_are_checked_and_a_loss_that_is_not_finite_is_skipped():
+    for kwargs, match in [({"hold_on_plateau": 0.0}, r"hold_on_plateau=0.0\): must be finite and > 0"),
+                          ({"hold_on_plateau": 0.15, "plateau_at": 1.0}, r"plateau_at=1.0\): must be in \(0, 1\)"),
+                          ({"plateau_exit": 0.3}, r"plateau_exit=0.3, hold_on_plateau=None\): plateau_exit needs"),
+                          ({"hold_on_plateau": 0.15, "plateau_exit": 0.1}, r"must be at least it")]:
+        with pytest.raises(ValueError, match=match):
+            BatchSizeController(**kwargs)
+    ctrl = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+    with pytest.raises(ValueError, match=r"observe_loss\(tokens=0.0\): must be finite and > 0"):
+        ctrl.observe_loss(0.0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctrl.observe_loss(10.0, math.nan)
+        ctrl.observe_loss(20.0, math.inf)
+    assert ctrl.plateau.slope.seen == 0
+    ctrl.observe_loss(30.0, 2.0)
+    assert ctrl.plateau.slope.seen == 1
