@@ -334,7 +334,8 @@ class CBSCallback(Callback):
             raise RuntimeError("CBSCallback(preconditioner='adam'): the Trainer has no optimizer")
         self._remove_hooks()
         self.engine = Engine(self._settings, starting_accumulation=int(trainer.accumulate_grad_batches),
-                             dp_degree=cbs_dist.group_size(self.dp_group), optimizer=optimizer)
+                             dp_degree=cbs_dist.group_size(self.dp_group), optimizer=optimizer,
+                             dp_group=self.dp_group)
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("CBSCallback: the LightningModule has no parameter with requires_grad=True")
@@ -645,8 +646,12 @@ class CBSCallback(Callback):
                 # bounds); the window's microbatches are each divided by its length, as in an aligned window
                 loss.mul_(applied / window[1])
             self._window_divisors.add(window[1])
+            divisor = window[1]
         else:  # Lightning divided this microbatch's loss by the value it read
-            self._window_divisors.add(int(trainer.accumulate_grad_batches))
+            divisor = int(trainer.accumulate_grad_batches)
+            self._window_divisors.add(divisor)
+        if self.engine.session.wants_loss():  # for hold_on_plateau: the microbatch's own mean loss
+            self.engine.session.observe_loss(loss.detach() * divisor)
         self.engine.begin_microbatch(unsynced=self._unsynced)
 
     def _refresh_params(self, pl_module: pl.LightningModule) -> None:

@@ -183,7 +183,8 @@ class CBSOlmoCallback(Callback):
         self._check_plan(start, slot)
         if self.session is not None:
             self._remove_hooks()
-        self.engine = Engine(self._settings, starting_accumulation=start // slot, dp_degree=dp, optimizer=optim)
+        self.engine = Engine(self._settings, starting_accumulation=start // slot, dp_degree=dp, optimizer=optim,
+                             dp_group=self._dp_group)
         self._base_lrs = [float(g.get("initial_lr") or g["lr"]) for g in optim.param_groups]
         self._give_run_length(trainer, start)
         self._attach_hooks(module.model)

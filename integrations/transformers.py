@@ -438,7 +438,8 @@ class CBSTrainer(Trainer):
         if self.engine is not None:
             self.engine.remove()  # a run before this one's
         self.engine = engine = Engine(self._settings, starting_accumulation=self._starting_accumulation,
-                                      dp_degree=cbs_dist.group_size(dp_group), optimizer=optimizer)
+                                      dp_degree=cbs_dist.group_size(dp_group), optimizer=optimizer,
+                                      dp_group=dp_group)
         if self._restored is not None:
             engine.load_state_dict(self._restored)
             self._restored = None
@@ -601,6 +602,9 @@ class CBSTrainer(Trainer):
         size = self._window[self._window_index]
         engine.begin_microbatch(unsynced=self._unsynced)
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if engine.session.wants_loss():  # the microbatch's mean loss, undoing the Trainer's division
+            divisor = self._units_divisor
+            engine.session.observe_loss(loss * len(self._window) if divisor is None else loss * divisor / size)
         engine.end_microbatch(size)
         self._window_index += 1
         if self._window_index == len(self._window):

@@ -86,6 +86,22 @@ def all_reduce_sum(values: torch.Tensor, group: Any | None) -> torch.Tensor:
     return values
 
 
+def sum_over_ranks(values: list[float], group: Any | None) -> list[float]:
+    """``values`` added up over ``group`` (a controller's plateau fit: one small collective at its verdict)."""
+    if not (is_distributed() and group_size(group) > 1):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=reduction_device(group, torch.device("cpu")))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.tolist()
+
+
+def read_losses(values: list[Any]) -> list[float]:
+    """Numbers and one-element tensors as floats, the tensors (one device) read in one transfer."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else ())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 def all_reduce_min(value: int, group: Any | None, device: torch.device | None = None) -> int:
     """The smallest ``value`` over ``group`` (``max_microbatch="auto"``: one extra collective per step)."""
     if not (is_distributed() and group_size(group) > 1):

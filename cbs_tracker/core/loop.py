@@ -191,7 +191,7 @@ class LoopTracker:
         )
         #: the collector, the reduction of each window, the session and their state
         self.engine = Engine(settings, starting_accumulation=accumulation_steps, dp_degree=dp_degree,
-                             optimizer=optimizer)
+                             optimizer=optimizer, dp_group=self.dp_group)
         self.session.detect_outside_lr = optimizer is not None
         self._module = self._unwrap(model)
         self._all_params: list[nn.Parameter] = list(self._module.parameters())
@@ -417,6 +417,20 @@ class LoopTracker:
         window the checkpoint holds (see :meth:`resume_position`).
         """
         return self._batches_done + self._window_index * self.session.micro_group
+
+    def observe_loss(self, loss: Any) -> None:
+        """Give the tracker this microbatch's loss, for a controller that reads the loss's fall
+        (``BatchSizeController(hold_on_plateau=...)``); does nothing otherwise.
+
+        Call it once per microbatch, before :meth:`step`, with the loss as the model returned it (its
+        mean over the microbatch's units, not divided by the accumulation). A tensor stays on its
+        device and is read with the next measured step's reduction (no host sync of its own). Every
+        rank gives its own; the controller fits all ranks' losses alike.
+
+        Raises:
+            TypeError: ``loss`` is neither a number nor a one-element tensor.
+        """
+        self.session.observe_loss(loss)
 
     def done(self, steps: int | None = None, *, microbatches: int | None = None,
              tokens: float | None = None) -> bool:

@@ -198,6 +198,13 @@ class TrackingSession:
         self._record_current = False  # last_record tells the estimator's state (finish_counted may copy it)
         self._last_stats: StepStats | None = None
         self.last_decision: Any | None = None
+        #: the windows' mean losses (numbers or one-element tensors) as floats: the engine reads tensors in one
+        #: transfer
+        self.read_losses: Callable[[list[Any]], list[float]] = lambda values: [float(v) for v in values]
+        self._window_loss: Any = None  # the current window's summed microbatch losses (a float or a tensor)
+        self._window_losses = 0  # and how many
+        #: ``(tokens or a record whose tokens arrive later, window's mean loss)`` not yet given to the controller
+        self._losses: list[tuple[Any, Any]] = []
         self.changed_this_step = False
         self._warned: set[str] = set()
         #: the rank change the last load_state_dict converted (``None``: same ranks, or no resume)
@@ -433,6 +440,7 @@ class TrackingSession:
         self._check_faults(stats, faults, window_accumulation, mismatch_is_fatal)
         run = faults.microbatches_run or stats.num_microbatches
         self._advance(stats, run, window_accumulation)
+        self._close_window_loss(self.units_seen)
         measured = stats.measured
         if measured or (stats.finite and int(window_accumulation) * self.dp_degree < 2):
             estimate = self._estimate(stats, window_accumulation, estimate_allowed and measured)
@@ -499,6 +507,45 @@ class TrackingSession:
             and window_accumulation >= 2 and not getattr(self.controller, "every_window", False)
         )
 
+    # ------------------------------------------------------------------ the training loss
+    def wants_loss(self) -> bool:
+        """The controller reads the training loss now (``hold_on_plateau`` before its verdict, or held with
+        an exit); elsewhere :meth:`observe_loss` does nothing."""
+        plateau = getattr(self.controller, "plateau", None)
+        return bool(getattr(plateau, "collecting", False))
+
+    def observe_loss(self, loss: Any) -> None:
+        """One microbatch's loss on this rank (its mean over its units, not divided by the accumulation), for a
+        controller that reads the loss; a tensor stays on its device (read with the next measured step's).
+        The controller gets each window's mean before the step's decision."""
+        if not self.wants_loss():
+            return
+        if callable(getattr(loss, "detach", None)):  # a tensor: kept on its device
+            if loss.numel() != 1:
+                raise TypeError(f"{self.owner}.observe_loss(loss=<a tensor of {loss.numel()} elements>): expected "
+                                "a number or a one-element tensor (the microbatch's mean loss)")
+            loss = loss.detach().float().reshape(())
+        elif isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+            raise TypeError(f"{self.owner}.observe_loss(loss={loss!r}): expected a number or a one-element tensor")
+        self._window_loss = loss if self._window_loss is None else self._window_loss + loss
+        self._window_losses += 1
+
+    def _close_window_loss(self, tokens: Any) -> None:
+        """The window's mean loss, at ``tokens`` (a float, or a record whose ``tokens_seen`` comes later)."""
+        if self._window_losses:
+            self._losses.append((tokens, self._window_loss / self._window_losses))
+        self._window_loss, self._window_losses = None, 0
+
+    def _give_losses(self) -> None:
+        """The windows' losses to the controller, oldest first (tensors read in one transfer)."""
+        losses, self._losses = self._losses, []
+        if not losses or not self.wants_loss():
+            return
+        values = self.read_losses([v for _, v in losses])
+        for (tokens, _), value in zip(losses, values, strict=True):
+            units = float(tokens) if isinstance(tokens, (int, float)) else float(tokens.tokens_seen)
+            self.controller.observe_loss(units, value)
+
     def finish_counted(self, stats: StepStats | None, faults: WindowFaults | None, *, window_accumulation: int,
                        deferred: tuple[Any, Callable[[list[float]], StepStats], float] | None = None) -> StepRecord:
         """:meth:`finish_step` of a window not measured, when :meth:`counted_step_ready`: the same record and
@@ -524,8 +571,10 @@ class TrackingSession:
         groups = self.optimizer.param_groups if self.optimizer is not None else None
         if deferred is not None:
             record = self._deferred_record(deferred, run, window_accumulation, groups)
+            self._close_window_loss(record)  # its units arrive later
             self._clock_due, self.timing = self.cadence.unmeasured_done(deferred[2])
             return record
+        self._close_window_loss(self.units_seen)
         record = StepRecord._like(self.last_record, {  # type: ignore[arg-type]
             "tokens_seen": self.units_seen,
             "global_batch": stats.units,  # type: ignore[union-attr]
@@ -727,6 +776,7 @@ class TrackingSession:
         self.changed_this_step = False
         if self.controller is None or stats.units <= 0:
             return None
+        self._give_losses()
         if self._run_length is not None:
             self._push_run_length()
         decision = self.controller.update(
@@ -899,6 +949,7 @@ class TrackingSession:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers and a version: everything needed to continue the same run."""
+        self._give_losses()  # the windows' losses since the last decision are the controller's state
         return {
             "version": SESSION_STATE_VERSION,
             "unit": self.unit,

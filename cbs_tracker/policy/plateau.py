@@ -101,6 +101,11 @@ class LossSlope:
         self.warmup, self._lr, self.seen = parsed["warmup"], parsed["lr"], parsed["seen"]
 
 
+def own_sums(sums: list[float]) -> list[float]:
+    """One rank's pool: its own sums (a function, not a lambda: a controller is pickled by spawned launchers)."""
+    return sums
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -116,7 +121,7 @@ class PlateauHold:
     def __init__(self, below: float | None, at: float, exit: float | None) -> None:
         self.below, self.at, self.exit = below, at, exit
         self.slope = LossSlope()
-        self.pool: Callable[[list[float]], list[float]] = lambda sums: sums
+        self.pool: Callable[[list[float]], list[float]] = own_sums
         self.held: bool | None = None  # None: no verdict yet
         self.verdict_slope: float | None = None  # the slope read at the verdict
         self.verdict_tokens: float | None = None
@@ -177,6 +182,8 @@ class PlateauHold:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
+        if not self.active:
+            return {}  # a controller without the option saves the keys it always saved
         return {**self.slope.state_dict(), "plateau_held": self.held, "plateau_verdict_slope": self.verdict_slope,
                 "plateau_verdict_tokens": self.verdict_tokens, "plateau_exit_tokens": self.exit_tokens}
 

@@ -1,0 +1,93 @@
+"""``hold_on_plateau`` in Lightning and the Hugging Face Trainer: the adapters give the controller each step's
+mean microbatch loss, undoing the framework's division by the accumulation; checked against the losses the
+model itself computed, microbatch by microbatch."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from cbs_tracker import BatchSizeController, CBSCallback
+from tests import hf_workers, lightning_workers
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*litlogger.*"),
+    pytest.mark.filterwarnings("ignore:.*isinstance.*treespec.*"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+def held_controller() -> BatchSizeController:
+    """Collects every step's loss for the whole run (its verdict lies past the run's end)."""
+    return BatchSizeController(total_tokens=1e9, hold_on_plateau=0.15)
+
+
+def check_points(ctrl: BatchSizeController, microbatch_losses: list[float], accumulation: int) -> None:
+    """The controller's points are the windows' means of the model's own losses (the second half of them)."""
+    means = [sum(microbatch_losses[i:i + accumulation]) / accumulation
+             for i in range(0, len(microbatch_losses), accumulation)]
+    slope = ctrl.plateau.slope
+    assert slope.seen == len(means)
+    got = [y for _, y in slope.points]
+    assert len(got) >= 8
+    assert got == pytest.approx(means[-len(got):], rel=1e-6)
+    tokens = [t for t, _ in slope.points]
+    assert all(b > a for a, b in zip(tokens, tokens[1:]))
+
+
+class LossLog(lightning_workers.Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss))
+        return loss
+
+
+def test_lightning_gives_each_steps_mean_microbatch_loss():
+    module = LossLog()
+    ctrl = held_controller()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_epochs=1,
+                         accumulate_grad_batches=2, callbacks=[CBSCallback(controller=ctrl)])
+    data = torch.utils.data.DataLoader(lightning_workers.regression_data(96), batch_size=2, shuffle=False)
+    trainer.fit(module, data)
+    check_points(ctrl, module.losses, 2)
+
+
+class ItemsRegression(hf_workers.Regression):
+    """The Trainer's regression with a loss summed over the window's samples and divided by their number
+    (``num_items_in_batch``), as causal LMs do; each microbatch's own mean is kept in ``losses``."""
+
+    def __init__(self, by_items: bool) -> None:
+        super().__init__(seed=0)
+        self.by_items = self.accepts_loss_kwargs = by_items
+        self.losses: list[float] = []
+
+    def forward(self, x, labels, num_items_in_batch=None, **kwargs):
+        per_sample = 0.5 * (self.net(x).squeeze(-1) - labels).pow(2)
+        if self.training:
+            self.losses.append(float(per_sample.mean()))
+        if self.by_items and num_items_in_batch is not None:
+            return {"loss": per_sample.sum() / num_items_in_batch}
+        return {"loss": per_sample.mean()}
+
+
+@pytest.mark.parametrize("by_items", [False, True], ids=["mean-loss", "loss-over-the-windows-items"])
+def test_the_hugging_face_trainer_gives_each_steps_mean_microbatch_loss(tmp_path, by_items):
+    """95 samples in microbatches of 2: the last window's second has one sample, so that a loss over the
+    window's items is not its microbatch's mean times the window's length."""
+    from cbs_tracker.integrations.transformers import CBSTrainer
+
+    model = ItemsRegression(by_items)
+    ctrl = held_controller()
+    trainer = CBSTrainer(model=model, args=hf_workers.training_args(str(tmp_path)),
+                         train_dataset=hf_workers.regression_data(95), unit="samples", controller=ctrl)
+    trainer.train()
+    assert trainer.model_accepts_loss_kwargs == by_items
+    check_points(ctrl, model.losses, 2)
