@@ -198,6 +198,20 @@ def test_the_default_rule_is_the_librarys_default_controller_and_only_its_points
     assert marked == {frontier.DEFAULT_RULE: True, "kappa0.5": False}
 
 
+def test_the_library_plateau_rule_is_the_librarys_controller_with_hold_on_plateau_and_the_runs_length(frontier):
+    """``library:hold_on_plateau=0.15`` trains with ``BatchSizeController(hold_on_plateau=0.15)`` as a user gets it
+    (the library's own class, not a prototype; the default's conversion limit kept), the loss from the tracker."""
+    from cbs_tracker.policy.controller import BatchSizeController
+
+    setting = frontier.base.SETTINGS["narrow"]
+    made = frontier.proof_lr.make_controller(
+        frontier.proof_lr.Run(frontier.RULES["library:hold_on_plateau=0.15"], 0, "wsd"), setting)
+    assert type(made) is BatchSizeController and not hasattr(made, "slope_points")
+    assert frontier.base.controller_config(made) == frontier.base.controller_config(
+        BatchSizeController(total_tokens=setting.budget_tokens))
+    assert (made.plateau.below, made.plateau.at, made.plateau.exit, made.convert_until) == (0.15, 0.25, None, 0.85)
+
+
 def test_an_adam_run_trains_as_the_run_it_names_and_measures_through_adams_preconditioner(frontier, tmp_path):
     """``<schedule>_adam``: the same controller and the same training as ``<schedule>`` (a constant batch ends
     on the same loss to the last digit), only the noise scale is measured through Adam's preconditioner, so it

@@ -54,7 +54,8 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN_MM", "tracker_kappaNN_MM_convert", "seesaw", "hand_ramp", "tracker_cooled",
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
              "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam",
-             "tracker_..._wd", "tracker_..._slopeNN", "tracker_..._hold")
+             "tracker_..._wd", "tracker_..._slopeNN", "tracker_..._hold", "tracker_..._gateNN",
+             "tracker_..._plateauNN[_atNN][_exitNN]", "tracker_library_plateauNN")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -93,6 +94,9 @@ _GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
 #: and none after it either if the training loss then falls by less than 0.15 nats per e-fold of tokens
 #: (:func:`plateau_held`); ``..._plateau15_at19``: the verdict at 0.19 of the run in place of a quarter;
 #: ``..._plateau15_exit30``: a run held at the verdict grows from the first update where the slope reaches 0.3
+#: ``tracker_library_plateau15``: the library's ``BatchSizeController(hold_on_plateau=0.15)`` with the run's length,
+#: given each microbatch's loss by ``tracker.observe_loss`` (the prototype above, as users get it)
+_LIBRARY_PLATEAU_RUN = re.compile(r"tracker_library_plateau(\d\d)")
 _PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?(?:_exit(\d\d))?")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
@@ -327,6 +331,8 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
     only ``tracker_library_default`` takes the library's defaults as they are."""
+    if _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule) is not None:  # before _PLATEAU_RUN's prototypes
+        return _controller_of(run, setting)
     same_controller = _ADAM_RUN.fullmatch(run.schedule) or _WD_RUN.fullmatch(run.schedule)
     if same_controller is not None:  # only the measurement (_adam) or the weight decay (_wd) differs
         return make_controller(replace(run, schedule=same_controller.group(1)), setting)
@@ -361,7 +367,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return controller
     controller = _controller_of(run, setting)
     if (controller is not None and hasattr(controller, "convert_until") and run.schedule != "tracker_library_default"
-            and _UNTIL_RUN.fullmatch(run.schedule) is None):
+            and _UNTIL_RUN.fullmatch(run.schedule) is None and _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule) is None):
         controller.convert_until = 1.0
     return controller
 
@@ -388,6 +394,10 @@ def _controller_of(run: Run, setting: base.Setting) -> Any:
     if run.schedule == "tracker_library_default":
         # the library's default as a user gets it, with the run's length (an adapter gives it)
         return BatchSizeController(total_tokens=setting.budget_tokens)
+    library_plateau = _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule)
+    if library_plateau is not None:  # the library's default with its hold_on_plateau, the loss from the tracker
+        return BatchSizeController(total_tokens=setting.budget_tokens,
+                                   hold_on_plateau=int(library_plateau.group(1)) / 100)
     until_run = _UNTIL_RUN.fullmatch(run.schedule)
     if until_run is not None:
         # late halvings of the scheduled LR left to decay (convert_until of the run's length, which it is given)
@@ -610,10 +620,11 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
             with tracker.microbatch(labels=y):
                 _, loss = model(x, y)
                 (loss / tracker.accumulation_steps).backward()
+            tracker.observe_loss(loss)  # the library's hold_on_plateau reads it (a no-op for the other rules)
             value = loss.item()  # one host read of the microbatch's loss, for the trace and the window's mean
             loss_sum, loss_tokens = loss_sum + value * micro_tokens, loss_tokens + micro_tokens
             window_loss, window_micro = window_loss + value, window_micro + 1
-        if hasattr(controller, "observe_loss"):  # the window's mean loss, before the step's update
+        if hasattr(controller, "slope_points"):  # a prototype's: the window's mean loss, before the step's update
             controller.observe_loss(tokens + window_micro * micro_tokens, window_loss / window_micro)
         window_loss, window_micro = 0.0, 0
         record = tracker.step()
@@ -631,7 +642,7 @@ def _train_body(run: Run, setting: base.Setting, out: Path, clock: RunClock,
             trace["tokens"].append(tokens)
             if wd_coupled:
                 trace.setdefault("weight_decay", []).append(optimizer.param_groups[0]["weight_decay"])
-            if hasattr(controller, "observe_loss"):
+            if hasattr(controller, "slope_points"):
                 trace.setdefault("kappa", []).append(controller._kappa_at(tokens))
             trace["train_loss"].append(round(loss_sum / loss_tokens, 4))  # mean over the tokens since the last point
             loss_sum = loss_tokens = 0.0
