@@ -367,7 +367,7 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return controller
     controller = _controller_of(run, setting)
     if (controller is not None and hasattr(controller, "convert_until") and run.schedule != "tracker_library_default"
-            and _UNTIL_RUN.fullmatch(run.schedule) is None and _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule) is None):
+            and _UNTIL_RUN.fullmatch(run.schedule) is None):
         controller.convert_until = 1.0
     return controller
 
