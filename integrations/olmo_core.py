@@ -347,6 +347,7 @@ class CBSOlmoCallback(Callback):
         else:
             self.engine.collect(trainable)  # type: ignore[union-attr]
         self._handles.append(model.register_forward_pre_hook(self._microbatch_starts, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._microbatch_loss, with_kwargs=True))
 
     def _hook_unsharded(self, module: nn.Module, args: Any) -> None:
         engine = self.engine
@@ -380,6 +381,21 @@ class CBSOlmoCallback(Callback):
         self._divisor = kwargs.get("loss_div_factor")
         self.engine.begin_microbatch(unsynced=not cbs_dist.is_distributed())  # type: ignore[union-attr]
         self._open = True
+
+    def _microbatch_loss(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        """The microbatch's mean cross-entropy, for a controller that reads the loss (``hold_on_plateau``): the
+        model's ``ce_loss`` (summed over the loss's tokens and divided by ``loss_div_factor``) over its tokens."""
+        session = self.session
+        if not self._open or session is None or not session.wants_loss():
+            return
+        ce = getattr(output, "ce_loss", None)
+        reduction = kwargs.get("loss_reduction", "mean")
+        if ce is None or reduction == "none":
+            return
+        ce = ce.detach()
+        if reduction == "sum":
+            ce = ce * (1.0 if self._divisor is None else self._divisor) / self._size
+        session.observe_loss(ce)
 
     def _end_microbatch(self) -> None:
         if self._open and self.engine is not None and self.engine.collector is not None:

@@ -91,3 +91,34 @@ def test_the_hugging_face_trainer_gives_each_steps_mean_microbatch_loss(tmp_path
     trainer.train()
     assert trainer.model_accepts_loss_kwargs == by_items
     check_points(ctrl, model.losses, 2)
+
+
+def test_olmo_core_gives_each_steps_mean_cross_entropy(tmp_path):
+    """OLMo-core's ``olmo2_1M`` (four one-sequence microbatches a step, loss summed and divided by the batch's
+    tokens): the controller's points are each step's mean over its microbatches of their mean cross-entropy,
+    recomputed in float64 from the weights the step started from."""
+    pytest.importorskip("olmo_core", reason="needs ai2-olmo-core (the [olmo] extra)")
+    from olmo_core.data.utils import get_labels
+    from olmo_core.nn.transformer import TransformerConfig
+
+    from cbs_tracker import CBSOlmoCallback
+    from tests import olmo_workers
+
+    ctrl = held_controller()
+    rec = olmo_workers.recorder()
+    trainer = olmo_workers.build_trainer(str(tmp_path), callbacks={"cbs": CBSOlmoCallback(controller=ctrl), "rec": rec},
+                                         steps=16)
+    trainer.fit()
+    slope = ctrl.plateau.slope
+    assert slope.seen == len(rec.steps) == 16
+    model = TransformerConfig.olmo2_1M(vocab_size=256).build(init_device="cpu").double()
+    truth = []
+    for step in rec.steps[-len(slope.points):]:
+        model.load_state_dict(step["weights"])
+        ids = step["input_ids"]
+        with torch.no_grad():
+            means = [float(model(ids[i:i + 1], labels=get_labels({"input_ids": ids[i:i + 1]}),
+                                 loss_reduction="mean").ce_loss) for i in range(ids.shape[0])]
+        truth.append(sum(means) / len(means))
+    assert len(truth) >= 8
+    assert [y for _, y in slope.points] == pytest.approx(truth, rel=1e-4)
