@@ -115,6 +115,19 @@ def _check_number(name: str, value: Any, *, allow_none: bool = False, integer: b
         raise ValueError(f"BatchSizeController({name}={value!r}): must be finite and {allowed}")
 
 
+def _check_plateau(hold_on_plateau: Any, plateau_at: Any, plateau_exit: Any) -> None:
+    _check_number("hold_on_plateau", hold_on_plateau, allow_none=True)
+    _check_number("plateau_at", plateau_at)
+    _check_number("plateau_exit", plateau_exit, allow_none=True)
+    if plateau_at >= 1.0:
+        raise ValueError(f"BatchSizeController(plateau_at={plateau_at!r}): must be in (0, 1) (the fraction of "
+                         "the run where hold_on_plateau reads the loss's slope)")
+    if plateau_exit is not None and (hold_on_plateau is None or plateau_exit < hold_on_plateau):
+        raise ValueError(f"BatchSizeController(plateau_exit={plateau_exit!r}, hold_on_plateau={hold_on_plateau!r}): "
+                         "plateau_exit needs hold_on_plateau and must be at least it (the slope a held run "
+                         "grows again from)")
+
+
 class BatchSizeController:
     """Grow (optionally shrink) the global batch by powers of two as the critical batch moves.
 
@@ -321,16 +334,7 @@ class BatchSizeController:
                 "(the factor by which B_simple / B must rise before growth resumes)"
             )
         _check_number("budget_tokens", budget_tokens, allow_none=True)
-        _check_number("hold_on_plateau", hold_on_plateau, allow_none=True)
-        _check_number("plateau_at", plateau_at)
-        _check_number("plateau_exit", plateau_exit, allow_none=True)
-        if plateau_at >= 1.0:
-            raise ValueError(f"BatchSizeController(plateau_at={plateau_at!r}): must be in (0, 1) (the fraction of "
-                             "the run where hold_on_plateau reads the loss's slope)")
-        if plateau_exit is not None and (hold_on_plateau is None or plateau_exit < hold_on_plateau):
-            raise ValueError(f"BatchSizeController(plateau_exit={plateau_exit!r}, hold_on_plateau={hold_on_plateau!r}): "
-                             "plateau_exit needs hold_on_plateau and must be at least it (the slope a held run "
-                             "grows again from)")
+        _check_plateau(hold_on_plateau, plateau_at, plateau_exit)
         _check_number("plan_s", plan_s)
         _check_number("plan_beta", plan_beta)
         _check_number("plan_floor_ratio", plan_floor_ratio)
