@@ -43,7 +43,7 @@ doubling and conversion held while the training loss falls by less than 0.2 nats
 none after if the training loss then falls by less than 0.15 nats per e-fold of tokens: ``gpt_proof_lr.plateau_held``;
 ``plateau0.11``: its threshold 25% lower; ``plateau0.15@0.19`` / ``@0.31``: its verdict at 0.19 / 0.31 of the run;
 ``...+plateau0.15+exit0.3``: a run held at the verdict grows, as the default, from the first update where the loss
-falls by 0.3 nats per e-fold of tokens, off its plateau; ``exit0.22``: that exit 25% lower),
+falls by 0.3 nats per e-fold of tokens, off its plateau),
 ``library:hold_on_plateau=0.15`` (the library's ``BatchSizeController(hold_on_plateau=0.15)``, the plateau rule as
 users get it: the loss given by ``tracker.observe_loss``, the LR's warm-up read from its schedule).
 
@@ -110,7 +110,6 @@ RULES = {
     "kappa0.4+convert-until0.85+plateau0.15@0.19": "tracker_kappa04_convert_until085_plateau15_at19",
     "kappa0.4+convert-until0.85+plateau0.15@0.31": "tracker_kappa04_convert_until085_plateau15_at31",
     "kappa0.4+convert-until0.85+plateau0.15+exit0.3": "tracker_kappa04_convert_until085_plateau15_exit30",
-    "kappa0.4+convert-until0.85+plateau0.15+exit0.22": "tracker_kappa04_convert_until085_plateau15_exit22",
     "library:hold_on_plateau=0.15": "tracker_library_plateau15",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}

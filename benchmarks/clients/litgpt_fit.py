@@ -72,8 +72,17 @@ def _source(path: Path, name: str) -> str:
     raise SystemExit(f"{path}: no function {name}()")
 
 
-def _edit(fit: str) -> str:
-    for old, new in GUIDE_EDITS:
+#: ``--hold-on-plateau``: the guide's line that gives the tracker each microbatch's loss
+OBSERVE_EDIT = ('            fabric.backward(loss / tracker.accumulation_steps)\n',
+                '            fabric.backward(loss / tracker.accumulation_steps)\n            tracker.observe_loss(loss)\n')
+
+
+def _edit(fit: str, hold_on_plateau: float | None = None) -> str:
+    edits = list(GUIDE_EDITS)
+    if hold_on_plateau is not None:
+        edits = [(old, new.replace("BatchSizeController()", f"BatchSizeController(hold_on_plateau={hold_on_plateau})"))
+                 for old, new in edits] + [OBSERVE_EDIT]
+    for old, new in edits:
         if fit.count(old) != 1:
             raise SystemExit(f"LitGPT's fit() has changed: {old!r} occurs {fit.count(old)} times (once expected)")
         fit = fit.replace(old, new)
@@ -107,6 +116,8 @@ def main() -> int:
     p.add_argument("trace", type=Path)
     p.add_argument("--tracker", action="store_true", help="fit() with the guide's lines")
     p.add_argument("--show-diff", action="store_true")
+    p.add_argument("--hold-on-plateau", type=float, default=None,
+                   help="with --tracker: BatchSizeController(hold_on_plateau=X) and tracker.observe_loss(loss)")
     p.add_argument("--max-tokens", type=int, default=600_000, help="TrainArgs.max_tokens")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8, help="micro batch x 2: gradient accumulation 2")
@@ -121,7 +132,7 @@ def main() -> int:
 
     fit = _source(args.pretrain, "fit")
     if args.tracker:
-        edited = _edit(fit)
+        edited = _edit(fit, args.hold_on_plateau)
         if args.show_diff:
             sys.stdout.writelines(difflib.unified_diff(fit.splitlines(True), edited.splitlines(True),
                                                        "fit() (LitGPT)", "fit() (the guide's lines)"))
@@ -201,8 +212,10 @@ def main() -> int:
         GPT=lambda config: LitModel(args.seq_len), measure_flops=lambda *a, **k: 0.0,
         ThroughputMonitor=ThroughputMonitor, RunningMean=RunningMean, CycleIterator=CycleIterator,
         chunked_cross_entropy=chunked_cross_entropy, validate=validate,
-        save_checkpoint=lambda *a, **k: None, CBSTracker=CBSTracker, BatchSizeController=BatchSizeController,
+        save_checkpoint=lambda *a, **k: None, CBSTracker=CBSTracker,
+        BatchSizeController=lambda **k: controllers.append(BatchSizeController(**k)) or controllers[-1],
     )
+    controllers: list = []  # the controller fit() builds, for the plateau verdict in the trace
     exec(compile(_source(args.pretrain, "get_lr"), str(args.pretrain), "exec"), namespace)
     exec(compile(fit, str(args.pretrain), "exec"), namespace)
 
@@ -236,10 +249,16 @@ def main() -> int:
     fit_state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
     namespace["fit"](fabric, 1, fit_state, train_dataloader, None, Path("."), None, train, eval_args)
 
+    plateau = None
+    if controllers and controllers[0].plateau.active:
+        p_ = controllers[0].plateau
+        plateau = {"held": p_.held, "verdict_slope": p_.verdict_slope, "verdict_tokens": p_.verdict_tokens,
+                   "total_tokens": controllers[0].total_tokens}
+        print(f"hold_on_plateau: {plateau}")
     args.trace.parent.mkdir(parents=True, exist_ok=True)
     args.trace.write_text(json.dumps({"script": "litgpt fit()", "args": sys.argv[1:], "steps": state["steps"],
                                       "micro": state["micro"], "tokens": state["tokens"],
-                                      "unstepped": len(state["window"])}))
+                                      "unstepped": len(state["window"]), "plateau": plateau}))
     print(f"{args.trace}: {len(state['steps'])} optimizer steps, {len(state['micro'])} microbatches, "
           f"{state['tokens']:,} tokens")
     return 0
