@@ -32,7 +32,7 @@ from cbs_tracker.core.collector import GradStatsCollector, StepStats
 from cbs_tracker.core.engine import Engine, EngineSettings
 from cbs_tracker.core.estimator import NoiseScaleEstimator
 from cbs_tracker.core.loop import group_cap, join_batches, leading_rows, microbatch_layout
-from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, unscale_and_get_scale
+from cbs_tracker.core.measure import LOSS_NORMALIZATIONS, loss_scale, unscale_and_get_scale
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession, check_size
 from cbs_tracker.core.tags import record_scalars, schedule_scalars, schedule_step
@@ -651,7 +651,9 @@ class CBSCallback(Callback):
             divisor = int(trainer.accumulate_grad_batches)
             self._window_divisors.add(divisor)
         if self.engine.session.wants_loss():  # for hold_on_plateau: the microbatch's own mean loss
-            self.engine.session.observe_loss(loss.detach() * divisor)
+            scaler = getattr(trainer.precision_plugin, "scaler", None)  # the loss here is scaled by it
+            scaled = scaler is not None and scaler.is_enabled()
+            self.engine.session.observe_loss(loss.detach() * divisor / (loss_scale(scaler) if scaled else 1.0))
         self.engine.begin_microbatch(unsynced=self._unsynced)
 
     def _refresh_params(self, pl_module: pl.LightningModule) -> None:

@@ -49,12 +49,19 @@ class LossLog(lightning_workers.Regression):
         return loss
 
 
-def test_lightning_gives_each_steps_mean_microbatch_loss():
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_lightning_gives_each_steps_mean_microbatch_loss(precision):
+    """Under fp16 with a GradScaler Lightning's ``on_before_backward`` sees the loss times the scale (2**11
+    here): the callback divides it out."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
     module = LossLog()
     ctrl = held_controller()
+    kwargs = {"precision": precision} if precision == "32-true" else {
+        "plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**11))]}
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, max_epochs=1,
-                         accumulate_grad_batches=2, callbacks=[CBSCallback(controller=ctrl)])
+                         accumulate_grad_batches=2, callbacks=[CBSCallback(controller=ctrl)], **kwargs)
     data = torch.utils.data.DataLoader(lightning_workers.regression_data(96), batch_size=2, shuffle=False)
     trainer.fit(module, data)
     check_points(ctrl, module.losses, 2)
