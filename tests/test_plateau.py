@@ -1,6 +1,6 @@
 """``hold_on_plateau``: the loss's slope against numpy's least squares, the decisions against the frontier's
-prototype (``benchmarks/proof/gpt_proof_lr.plateau_held``, separate code) step for step, resume, several ranks'
-pooled fit, and what the option says when it cannot read."""
+prototype (``benchmarks/proof/gpt_proof_lr.plateau_held``, separate code) step for step, resume, a verdict that
+waits for a readable slope, and what the option says when it cannot read."""
 
 from __future__ import annotations
 
@@ -124,30 +124,31 @@ def test_a_resumed_controller_decides_as_the_uninterrupted_one():
         assert head[0] + tail[0] == whole[0]
 
 
-def test_ranks_with_different_losses_read_one_slope_the_fit_of_all_their_points():
-    """Two controllers, one per rank, each given its own losses (one on a plateau, one falling fast); the
-    pool adds up their fit sums: both read the slope numpy fits to all the points, and decide alike."""
-    a = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
-    b = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
-    sent = {}  # what each rank puts into the all-reduce of this step (both reduce at once)
-    a.plateau.pool = lambda sums: [x + y for x, y in zip(sums, sent[id(b)])]
-    b.plateau.pool = lambda sums: [x + y for x, y in zip(sums, sent[id(a)])]
-    points = []
-    for step in range(1, STEPS + 1):
-        t = MICRO * step
-        a.observe_loss(t, flat(t))
-        b.observe_loss(t, 3 - 0.25 * math.log(t))
-        sent.update({id(c): [*c.plateau.slope.sums, c.plateau.slope.seen] for c in (a, b)})
-        if a.plateau.held is None and t >= 0.25 * TOTAL:
-            points = [(x, y) for x, _ in a.plateau.slope.points for y in (flat(x), 3 - 0.25 * math.log(x))]
-        for ctrl in (a, b):
-            ctrl.update(step=step, tokens_seen=t, global_batch=MICRO, accumulation_steps=1, noise_scale=10 * MICRO,
-                        noise_scale_low=10 * MICRO, noise_scale_high=10 * MICRO, scheduled_lr=lr_at(t))
-    reference = -np.polyfit(np.log([x for x, _ in points]), [y for _, y in points], 1)[0]
-    assert a.plateau.verdict_slope == pytest.approx(reference, rel=1e-6)
-    assert b.plateau.verdict_slope == a.plateau.verdict_slope and 0.15 < reference < 0.25
-    assert a.plateau.held is b.plateau.held is False
-    assert a.accumulation_steps == b.accumulation_steps > 1
+def test_a_verdict_due_before_the_slope_can_be_read_waits_for_it_held_and_says_so():
+    """A warm-up of 12% of the run: at a quarter the slope (read from 2.5 x the warm-up, 30%) cannot be read
+    yet; the verdict waits, growth held, with one warning, and comes at the first update where it can."""
+    warmup = 0.12 * TOTAL
+
+    def lr_late(tokens):
+        return 1e-3 * min(1.0, tokens / warmup)
+
+    ctrl = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+    tokens, grown = 0.0, []
+    with pytest.warns(UserWarning, match=r"hold_on_plateau=0.15: at .* the loss's slope cannot be read yet") as said:
+        for step in range(1, STEPS + 1):
+            tokens += MICRO
+            ctrl.observe_loss(tokens, steep(tokens))
+            d = ctrl.update(step=step, tokens_seen=tokens, global_batch=MICRO, accumulation_steps=1,
+                            noise_scale=10 * MICRO, noise_scale_low=10 * MICRO, noise_scale_high=10 * MICRO,
+                            scheduled_lr=lr_late(tokens))
+            if d.changed:
+                grown.append(tokens)
+                break
+    assert len([w for w in said if "cannot be read yet" in str(w.message)]) == 1
+    assert ctrl.plateau.slope.warmup == pytest.approx(warmup, abs=MICRO)
+    assert ctrl.plateau.verdict_tokens == pytest.approx(2.5 * ctrl.plateau.slope.warmup, abs=MICRO)
+    assert ctrl.plateau.verdict_slope == pytest.approx(0.3) and ctrl.plateau.held is False
+    assert grown and grown[0] > ctrl.plateau.verdict_tokens
 
 
 @pytest.mark.filterwarnings("ignore:.*convert_until=0.85. has no run length")

@@ -4,6 +4,7 @@ grows it only past a quarter of the run; two ranks with different losses read on
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -33,10 +34,11 @@ def steep(t):
     return 3 - 0.4 * math.log(t) + wobble(t)
 
 
-def run(rank, world, loss_at, *, hold=0.15, measure_every=3):
+def run(rank, world, loss_at, *, hold=0.15, measure_every=3, save_at=None, state=None):
     """``STEPS`` steps of the plain workers' regression with ``CBSTracker``; each microbatch gives
     ``loss_at(units after its step)`` (a tensor) to ``observe_loss``. Returns the steps' (units, accumulation,
-    planted loss) and the controller."""
+    planted loss) and the controller; with ``save_at``, also the checkpoint (model, optimizer, tracker) after
+    that many steps; from ``state`` (such a checkpoint), the run resumed there."""
     torch.manual_seed(0)
     model: nn.Module = plain_workers.make_model()
     inner = model
@@ -47,7 +49,12 @@ def run(rank, world, loss_at, *, hold=0.15, measure_every=3):
                                      window=8, max_batch=256, hold_on_plateau=hold)
     tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples", controller=controller,
                          measure_every=measure_every)
-    rows, step = [], 0
+    rows, step, saved = [], 0, None
+    if state is not None:
+        inner.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        tracker.load_state_dict(state["tracker"])
+        step = tracker.steps
     while not tracker.done(steps=STEPS):
         units = tracker.tokens_seen + tracker.accumulation_steps * plain_workers.MICRO * world
         for i in range(tracker.accumulation_steps):
@@ -61,7 +68,10 @@ def run(rank, world, loss_at, *, hold=0.15, measure_every=3):
         optimizer.zero_grad(set_to_none=True)
         rows.append((record.tokens_seen, record.accumulation_steps, loss_at(units)))
         step += 1
-    return rows, controller
+        if step == save_at:
+            saved = copy.deepcopy({"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
+                                   "tracker": tracker.state_dict()})
+    return (rows, controller) if save_at is None else (rows, controller, saved)
 
 
 def reference_slope(points, tokens, warmup):
@@ -116,3 +126,51 @@ def test_two_ranks_with_different_losses_read_the_slope_of_all_their_points_and_
     assert 0.15 < slope < 0.25 and held is False
     assert [a for _, a, _ in out[0]["rows"]] == [a for _, a, _ in out[1]["rows"]]
     assert max(a for _, a, _ in out[0]["rows"]) > 2
+
+
+def test_a_run_resumed_before_its_verdict_decides_as_the_uninterrupted_one():
+    """Saved after step 201, two windows after a measured one (their losses, not yet given to the controller, are
+    in the state), before the verdict at step 250: the resumed run reads the same slope and changes the batch at
+    the same steps. (Saved where the next window is measured: a resume measures its first window, so elsewhere
+    its decisions, this option's and the noise scale's alike, come up to two windows later.)"""
+    whole, ctrl, saved = run(0, 1, steep, save_at=201)
+    assert len(saved["tracker"]["pending_losses"]) == 2
+    resumed, again = run(0, 1, steep, state=saved)
+    assert resumed == whole[201:]
+    assert (again.plateau.verdict_tokens, again.plateau.verdict_slope, again.plateau.held) == (
+        ctrl.plateau.verdict_tokens, ctrl.plateau.verdict_slope, ctrl.plateau.held)
+
+
+def _resume_worker(rank, world, init_file, out_dir):
+    """Two ranks with different losses run to step 180 and save rank 0's checkpoint (as frameworks do); both
+    ranks load it and run on. Every step measured: no loss waits for a later decision at the checkpoint."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                         timeout=timedelta(seconds=60))
+    try:
+        loss_at = flat if rank == 0 else (lambda t: 3 - 0.3 * math.log(t) - wobble(t))
+        whole, ctrl, saved = run(rank, world, loss_at, measure_every=1, save_at=180)
+        path = os.path.join(out_dir, "ckpt.pt")
+        if rank == 0:
+            torch.save(saved, path)
+        torch.distributed.barrier()
+        resumed, again = run(rank, world, loss_at, measure_every=1, state=torch.load(path, weights_only=False))
+        with open(os.path.join(out_dir, f"resume{rank}.json"), "w") as f:
+            json.dump({"whole": whole[180:], "resumed": resumed,
+                       "verdicts": [[c.plateau.verdict_tokens, c.plateau.verdict_slope, c.plateau.held]
+                                    for c in (ctrl, again)]}, f)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_resumed_from_rank_zeros_checkpoint_decide_as_the_uninterrupted_run(tmp_path):
+    """The checkpoint holds rank 0's state only; the controller's points are the ranks' mean losses, the same
+    on every rank, so both resumed ranks read the uninterrupted run's slope and change the batch at its steps."""
+    spawn(_resume_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    out = [json.loads((tmp_path / f"resume{r}.json").read_text()) for r in (0, 1)]
+    for o in out:
+        assert o["resumed"] == o["whole"]
+        assert o["verdicts"][0] == o["verdicts"][1]
+    assert out[0]["verdicts"] == out[1]["verdicts"]
+    assert out[0]["verdicts"][0][0] >= out[0]["whole"][0][0]  # the verdict came after the checkpoint

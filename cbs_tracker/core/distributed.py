@@ -7,6 +7,7 @@ combines by a plain sum (sums and counts) makes that reduction exact.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -86,20 +87,21 @@ def all_reduce_sum(values: torch.Tensor, group: Any | None) -> torch.Tensor:
     return values
 
 
-def sum_over_ranks(values: list[float], group: Any | None) -> list[float]:
-    """``values`` added up over ``group`` (a controller's plateau fit: one small collective at its verdict)."""
-    if not (is_distributed() and group_size(group) > 1):
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=reduction_device(group, torch.device("cpu")))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t.tolist()
-
-
-def read_losses(values: list[Any]) -> list[float]:
-    """Numbers and one-element tensors as floats, the tensors (one device) read in one transfer."""
+def mean_losses(values: list[Any], group: Any | None) -> list[float]:
+    """Windows' losses (numbers, one-element tensors on one device, ``None`` for none given) as floats, each the
+    mean over the ranks of ``group`` that gave one (``nan`` where none did): the tensors read in one transfer
+    and, on several ranks, one ``all_reduce`` of each window's sum and count (every rank the same windows)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    read = iter(torch.stack(tensors).tolist() if tensors else ())
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    read = iter(torch.stack(tensors).double().tolist() if tensors else ())
+    local = [math.nan if v is None else next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    if not (is_distributed() and group_size(group) > 1):
+        return local
+    given = [math.isfinite(v) for v in local]
+    t = torch.tensor([v if ok else 0.0 for v, ok in zip(local, given)] + [float(ok) for ok in given],
+                     dtype=torch.float64, device=reduction_device(group, torch.device("cpu")))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    sums, counts = t.tolist()[:len(local)], t.tolist()[len(local):]
+    return [s / c if c else math.nan for s, c in zip(sums, counts)]
 
 
 def all_reduce_min(value: int, group: Any | None, device: torch.device | None = None) -> int:

@@ -27,7 +27,7 @@ from torch import nn
 
 from cbs_tracker.core.cadence import check_measure_every
 from cbs_tracker.core.collector import GradStatsCollector, StepStats, adam_preconditioner
-from cbs_tracker.core.distributed import read_losses, sum_over_ranks
+from cbs_tracker.core.distributed import mean_losses
 from cbs_tracker.core.measure import WindowFaults, count_sizes, reduce_window
 from cbs_tracker.core.record import StepRecord, Unit
 from cbs_tracker.core.session import TrackingSession
@@ -107,10 +107,8 @@ class Engine:
             measure_every=settings.measure_every,
             measure_target=settings.measure_target,
         )
-        self.session.read_losses = read_losses
-        plateau = getattr(settings.controller, "plateau", None)
-        if plateau is not None and dp_degree > 1:  # every rank reads the slope of all ranks' losses
-            plateau.pool = functools.partial(sum_over_ranks, group=dp_group)
+        # the windows' losses a controller reads (hold_on_plateau): each the mean over the ranks
+        self.session.read_losses = functools.partial(mean_losses, group=dp_group)
         #: the map applied to each gradient before its norm (``preconditioner="adam"``), else ``None``
         self.transform = adam_preconditioner(optimizer) if settings.preconditioner == "adam" else None
         self.collector: GradStatsCollector | None = None

@@ -198,9 +198,10 @@ class TrackingSession:
         self._record_current = False  # last_record tells the estimator's state (finish_counted may copy it)
         self._last_stats: StepStats | None = None
         self.last_decision: Any | None = None
-        #: the windows' mean losses (numbers or one-element tensors) as floats: the engine reads tensors in one
-        #: transfer
-        self.read_losses: Callable[[list[Any]], list[float]] = lambda values: [float(v) for v in values]
+        #: the windows' mean losses (numbers, one-element tensors or ``None``: none given on this rank) as floats,
+        #: each the mean over the ranks that gave one (``nan``: none did); the engine reads tensors in one transfer
+        #: and, on several ranks, averages them in one small ``all_reduce``
+        self.read_losses: Callable[[list[Any]], list[float]] = _local_losses
         self._window_loss: Any = None  # the current window's summed microbatch losses (a float or a tensor)
         self._window_losses = 0  # and how many
         #: ``(tokens or a record whose tokens arrive later, window's mean loss)`` not yet given to the controller
@@ -531,20 +532,32 @@ class TrackingSession:
         self._window_losses += 1
 
     def _close_window_loss(self, tokens: Any) -> None:
-        """The window's mean loss, at ``tokens`` (a float, or a record whose ``tokens_seen`` comes later)."""
+        """The window's mean loss, at ``tokens`` (a float, or a record whose ``tokens_seen`` comes later). On
+        several ranks every window the controller reads is kept, ``None`` where this rank gave no loss, so that
+        the ranks reduce the same windows."""
         if self._window_losses:
             self._losses.append((tokens, self._window_loss / self._window_losses))
+        elif self.dp_degree > 1 and self.wants_loss():
+            self._losses.append((tokens, None))
         self._window_loss, self._window_losses = None, 0
 
     def _give_losses(self) -> None:
-        """The windows' losses to the controller, oldest first (tensors read in one transfer)."""
+        """The windows' losses to the controller, oldest first, each the mean over the ranks (at a decision:
+        every rank runs it at the same step)."""
         losses, self._losses = self._losses, []
         if not losses or not self.wants_loss():
             return
         values = self.read_losses([v for _, v in losses])
         for (tokens, _), value in zip(losses, values, strict=True):
-            units = float(tokens) if isinstance(tokens, (int, float)) else float(tokens.tokens_seen)
-            self.controller.observe_loss(units, value)
+            self.controller.observe_loss(_units_of(tokens), value)
+
+    def _pending_losses(self) -> list[list[float | None]]:
+        """The windows' losses not yet given to the controller, this rank's, as ``[tokens, loss]`` (saved with
+        the state: a resumed run gives them at its first decision, on every rank alike)."""
+        if not self._losses or not self.wants_loss():
+            return []
+        values = _local_losses([v for _, v in self._losses])
+        return [[_units_of(t), None if math.isnan(v) else v] for (t, _), v in zip(self._losses, values, strict=True)]
 
     def finish_counted(self, stats: StepStats | None, faults: WindowFaults | None, *, window_accumulation: int,
                        deferred: tuple[Any, Callable[[list[float]], StepStats], float] | None = None) -> StepRecord:
@@ -949,8 +962,8 @@ class TrackingSession:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers and a version: everything needed to continue the same run."""
-        self._give_losses()  # the windows' losses since the last decision are the controller's state
-        return {
+        pending = self._pending_losses()
+        return {**({"pending_losses": pending} if pending else {}),  # only with hold_on_plateau collecting
             "version": SESSION_STATE_VERSION,
             "unit": self.unit,
             "dp_degree": self.dp_degree,
@@ -1013,6 +1026,8 @@ class TrackingSession:
         self.pending_accumulation = pending if pending > 0 else None
         self.coupling = read["lr_coupling"]
         self._warned = set(read["warned"])
+        self._losses = [(float(t), v) for t, v in state.get("pending_losses", [])]  # given at the next decision
+        self._window_loss, self._window_losses = None, 0
         if self._resume_warning is not None:
             key, message = self._resume_warning
             self._resume_warning = None
@@ -1157,3 +1172,13 @@ class _Deferred:
 
     def resolve(self) -> None:
         self.session.resolve_pending()
+
+
+def _local_losses(values: list[Any]) -> list[float]:
+    """Losses as floats (``None``: ``nan``), this rank's alone."""
+    return [math.nan if v is None else float(v) for v in values]
+
+
+def _units_of(tokens: Any) -> float:
+    """A window's units: a number, or its record's (filled when its counts arrived)."""
+    return float(tokens) if isinstance(tokens, (int, float)) else float(tokens.tokens_seen)

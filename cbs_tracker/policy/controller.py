@@ -694,7 +694,7 @@ class BatchSizeController:
     @property
     def plateau(self) -> PlateauHold:
         """``hold_on_plateau``'s state: ``held`` (``None`` before the verdict), ``verdict_slope``,
-        ``verdict_tokens``, ``exit_tokens``; ``pool`` is set by an adapter on several ranks."""
+        ``verdict_tokens``, ``exit_tokens`` and the fit (``slope``)."""
         return self._plateau
 
     def _read_plateau(self, tokens: float, scheduled_lr: float | None) -> None:
@@ -711,7 +711,7 @@ class BatchSizeController:
                           "of the whole run), or stop the loop with tracker.done(...), which gives the length.",
                           UserWarning, stacklevel=3)
         said = plateau.decide(tokens, self.total_tokens)
-        if said is not None and plateau.unread:
+        if said is not None and plateau.warn:
             warnings.warn(f"BatchSizeController: {said}.", UserWarning, stacklevel=3)
         elif said is not None:
             _log.info("BatchSizeController: %s", said)

@@ -5,14 +5,15 @@ On the small GPTs of the frontier, every rule that grew the batch while the loss
 the loss fell faster, growth kept it. :class:`LossSlope` fits the loss against the log of the tokens,
 ``-dL / d ln T``, by least squares over the second half of the tokens seen (from twice the LR's warm-up on);
 :class:`PlateauHold` holds growth until ``at`` of the run, reads the slope there once, and holds for good
-below ``below`` (unless the slope later reaches ``exit``); otherwise the controller's rule is in force.
+below ``below`` (unless the slope later reaches ``exit``); otherwise the controller's rule is in force. On
+several data-parallel ranks each point is the mean over the ranks (the session reduces it), so every rank fits the
+same points and decides alike.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from cbs_tracker.policy._state import StateReader
@@ -101,11 +102,6 @@ class LossSlope:
         self.warmup, self._lr, self.seen = parsed["warmup"], parsed["lr"], parsed["seen"]
 
 
-def own_sums(sums: list[float]) -> list[float]:
-    """One rank's pool: its own sums (a function, not a lambda: a controller is pickled by spawned launchers)."""
-    return sums
-
-
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -113,20 +109,20 @@ def _finite(value: Any) -> bool:
 class PlateauHold:
     """Growth held until ``at`` of the run; there, one verdict from the loss's slope: below ``below`` the run
     holds (until the slope reaches ``exit``, if given), otherwise the controller's rule is in force from then on.
-
-    ``pool`` adds up every data-parallel rank's fit sums (identity on one rank), so that every rank reads the
-    same slope; it is called at the verdict and, while held with an ``exit``, at each update after it.
+    Where the slope cannot be read yet at ``at`` (a warm-up longer than ``at / 2.5`` of the run, or fewer than
+    :data:`MIN_POINTS` losses) the verdict waits for it, held; with no loss at all it does nothing.
     """
 
     def __init__(self, below: float | None, at: float, exit: float | None) -> None:
         self.below, self.at, self.exit = below, at, exit
         self.slope = LossSlope()
-        self.pool: Callable[[list[float]], list[float]] = own_sums
+        self.waiting_said = False  # the verdict is due and waits for a readable slope (said once)
         self.held: bool | None = None  # None: no verdict yet
         self.verdict_slope: float | None = None  # the slope read at the verdict
         self.verdict_tokens: float | None = None
         self.exit_tokens: float | None = None  # where a held run left its plateau
-        self.unread = False  # the verdict came and no rank had been given a loss
+        self.unread = False  # the verdict came and no loss had been given
+        self.warn = False  # what decide() said last is a warning
 
     @property
     def active(self) -> bool:
@@ -137,43 +133,48 @@ class PlateauHold:
         ``total``, no hold)."""
         if not self.active or self.held is False:
             return False
-        if self.held:
-            return True
-        return total is not None and tokens < self.at * total
+        return self.held is True or total is not None  # held, or before a verdict (due or not)
 
     def decide(self, tokens: float, total: float | None) -> str | None:
-        """The verdict at the first update past ``at`` of the run, and a held run's exit; returns what
-        happened, to be said (``None``: nothing; :attr:`unread` set: a warning)."""
+        """The verdict at the first update past ``at`` of the run where the slope can be read, and a held
+        run's exit; returns what happened, to be said (``None``: nothing; :attr:`unread`, or a verdict that
+        waits, :attr:`warn` set: a warning)."""
+        self.warn = False
         if not self.active or total is None or self.held is False or tokens < self.at * total:
             return None
         if self.held is None:
-            self.verdict_tokens = tokens
-            self.verdict_slope, seen = self._read(tokens)
-            if not seen:  # no rank was given a loss: nothing to read
-                self.held, self.unread = False, True
-                return (f"no training loss reached the controller (observe_loss) by {tokens:.4g} units, "
-                        f"{self.at:g} of the run: hold_on_plateau={self.below:g} read nothing and the growth "
-                        "rule is in force. Pass each step's loss (the guide names the adapters that do)")
-            self.held = self.verdict_slope is None or self.verdict_slope < self.below  # type: ignore[operator]
-            if not (self.held and self.exit is not None):
-                self.slope.clear()  # the verdict is final: no more points are needed
-            read = "no slope (too few losses)" if self.verdict_slope is None else f"slope {self.verdict_slope:.3f}"
-            return (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): {read} nats per e-fold of "
-                    "tokens; " + (f"below {self.below:g}, growth held" if self.held else
-                                  f"at least {self.below:g}, the growth rule is in force"))
+            return self._verdict(tokens)
         if self.exit is None:
             return None
-        slope, _ = self._read(tokens)
+        slope = self.slope.slope(tokens)
         if slope is None or slope < self.exit:
             return None
         self.held, self.exit_tokens = False, tokens
         self.slope.clear()
         return f"plateau left at {tokens:.4g} units: slope {slope:.3f} >= exit {self.exit:g}; growth resumes"
 
-    def _read(self, tokens: float) -> tuple[float | None, float]:
-        """The slope of every rank's points and the losses every rank was given (one :attr:`pool`)."""
-        pooled = self.pool([*self.slope.sums, float(self.slope.seen)])
-        return self.slope.slope(tokens, pooled[:5]), pooled[5]
+    def _verdict(self, tokens: float) -> str | None:
+        if not self.slope.seen:  # no loss was given: nothing to read
+            self.held, self.unread, self.warn, self.verdict_tokens = False, True, True, tokens
+            return (f"no training loss reached the controller (observe_loss) by {tokens:.4g} units, "
+                    f"{self.at:g} of the run: hold_on_plateau={self.below:g} read nothing and the growth "
+                    "rule is in force. Pass each step's loss (the guide names the adapters that do)")
+        slope = self.slope.slope(tokens)
+        if slope is None:  # the warm-up ran late into the run, or too few losses: wait for a slope
+            if self.waiting_said:
+                return None
+            self.waiting_said = self.warn = True
+            return (f"hold_on_plateau={self.below:g}: at {tokens:.4g} units, {self.at:g} of the run, the loss's "
+                    f"slope cannot be read yet (it is read from 2.5 x the LR's warm-up, {2.5 * self.slope.warmup:.4g} "
+                    f"units, and from {MIN_POINTS} losses; {len(self.slope.points)} in its window): growth stays "
+                    "held until it can be")
+        self.verdict_tokens, self.verdict_slope = tokens, slope
+        self.held = slope < self.below  # type: ignore[operator]
+        if not (self.held and self.exit is not None):
+            self.slope.clear()  # the verdict is final: no more points are needed
+        return (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): slope {slope:.3f} nats per "
+                "e-fold of tokens; " + (f"below {self.below:g}, growth held" if self.held else
+                                        f"at least {self.below:g}, the growth rule is in force"))
 
     @property
     def collecting(self) -> bool:
