@@ -184,7 +184,8 @@ class BatchSizeController:
             ``convert_until`` (``None``: unknown; ``kappa`` stays fixed, every halving converts).
             Left ``None``, an adapter sets it from the run's own length (:meth:`set_run_length`);
             given, it wins over the adapter's.
-        hold_on_plateau: hold all growth (doublings and conversions of LR halvings) until ``plateau_at`` of
+        hold_on_plateau: hold every change but a budget plan's (doublings, conversions of LR halvings and,
+            with ``allow_shrink``, shrinks) until ``plateau_at`` of
             the run (``total_tokens``, or the length an adapter gives); there, read how fast the training loss
             falls, ``-dL / d ln T`` by least squares over the second half of the tokens seen (from twice the
             LR's warm-up on), and below ``hold_on_plateau`` nats per e-fold of tokens (a loss on its plateau)
