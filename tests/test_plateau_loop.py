@@ -174,3 +174,16 @@ def test_two_ranks_resumed_from_rank_zeros_checkpoint_decide_as_the_uninterrupte
         assert o["verdicts"][0] == o["verdicts"][1]
     assert out[0]["verdicts"] == out[1]["verdicts"]
     assert out[0]["verdicts"][0][0] >= out[0]["whole"][0][0]  # the verdict came after the checkpoint
+
+
+def test_a_state_with_malformed_pending_losses_is_refused_naming_the_key_before_anything_changes():
+    _, ctrl, saved = run(0, 1, steep, save_at=201)
+    state = copy.deepcopy(saved["tracker"])
+    state["pending_losses"] = [[1600.0, "x"]]
+    model = plain_workers.make_model()
+    tracker = CBSTracker(model, torch.optim.SGD(model.parameters(), lr=0.05), accumulation_steps=2, unit="samples",
+                         controller=BatchSizeController(hold_on_plateau=0.15))
+    before = tracker.state_dict()
+    with pytest.raises(TypeError, match=r"'pending_losses' must be a list of \[tokens > 0, loss or None\] pairs"):
+        tracker.load_state_dict(state)
+    assert tracker.state_dict() == before

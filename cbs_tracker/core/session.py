@@ -1026,7 +1026,7 @@ class TrackingSession:
         self.pending_accumulation = pending if pending > 0 else None
         self.coupling = read["lr_coupling"]
         self._warned = set(read["warned"])
-        self._losses = [(float(t), v) for t, v in state.get("pending_losses", [])]  # given at the next decision
+        self._losses = list(read["pending_losses"])  # given to the controller at the next decision
         self._window_loss, self._window_losses = None, 0
         if self._resume_warning is not None:
             key, message = self._resume_warning
@@ -1115,7 +1115,21 @@ def _read_state(state: dict[str, Any], where: str, starting_accumulation: float)
         "schedule": _read_schedule(state.get("schedule"), where),
         "cadence": cadence if isinstance(cadence, dict) else None,
         "recouple": bool(state.get("recouple", 0)),
+        "pending_losses": _read_pending_losses(state.get("pending_losses", []), where),
     }
+
+
+def _read_pending_losses(pending: Any, where: str) -> list[tuple[float, float | None]]:
+    """The windows' losses a state saved before its controller read them: ``[tokens > 0, loss or None]`` pairs."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not isinstance(pending, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and number(p[0]) and p[0] > 0
+            and (p[1] is None or number(p[1])) for p in pending):
+        raise TypeError(f"{where}: 'pending_losses' must be a list of [tokens > 0, loss or None] pairs, "
+                        f"got {pending!r}")
+    return [(float(t), None if v is None else float(v)) for t, v in pending]
 
 
 def _read_schedule(schedule: Any, where: str) -> dict[str, Any] | None:
