@@ -129,3 +129,33 @@ def test_olmo_core_gives_each_steps_mean_cross_entropy(tmp_path):
         truth.append(sum(means) / len(means))
     assert len(truth) >= 8
     assert [y for _, y in slope.points] == pytest.approx(truth, rel=1e-4)
+
+
+def test_an_accelerate_loop_gives_each_steps_mean_microbatch_loss_with_the_guides_line():
+    """Accelerate's loop as the guide writes it (``tracker.accumulate``, ``accelerator.backward(loss)``), with
+    ``tracker.observe_loss(loss)`` after each backward: the points are the windows' means of the losses
+    the loop computed (``accelerator.backward`` divides the gradient, not the loss it was given)."""
+    from cbs_tracker.integrations.accelerate import AcceleratorTracker
+
+    from tests import accelerate_workers as aw
+    from tests import dist_workers as dw
+
+    acc = aw.make_accelerator(1, gradient_accumulation_steps=2)
+    net = dw.make_model(torch.float64)
+    model, optimizer = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    ctrl = held_controller()
+    tracker = AcceleratorTracker(acc, model, optimizer, controller=ctrl, unit="samples")
+    losses = []
+    while not tracker.done(steps=40):
+        for _ in range(tracker.accumulation_steps):
+            x, y = aw.data(tracker.microbatches_seen, 0)
+            with tracker.accumulate(size=len(y)):
+                loss = aw.loss_of(model(x), y)
+                acc.backward(loss)
+                tracker.observe_loss(loss)
+                losses.append(float(loss))
+                if acc.sync_gradients:
+                    tracker.step()
+                optimizer.step()
+                optimizer.zero_grad()
+    check_points(ctrl, losses, 2)
