@@ -45,7 +45,9 @@ none after if the training loss then falls by less than 0.15 nats per e-fold of 
 ``...+plateau0.15+exit0.3``: a run held at the verdict grows, as the default, from the first update where the loss
 falls by 0.3 nats per e-fold of tokens, off its plateau),
 ``library:hold_on_plateau=0.15`` (the library's ``BatchSizeController(hold_on_plateau=0.15)``, the plateau rule as
-users get it: the loss given by ``tracker.observe_loss``, the LR's warm-up read from its schedule).
+users get it: the loss given by ``tracker.observe_loss``, the LR's warm-up read from its schedule),
+``kappa0.4-1.2+convert+plateau0.15`` (the rising ``kappa`` with every halving converted, behind the plateau rule's
+hold and verdict).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
@@ -111,6 +113,7 @@ RULES = {
     "kappa0.4+convert-until0.85+plateau0.15@0.31": "tracker_kappa04_convert_until085_plateau15_at31",
     "kappa0.4+convert-until0.85+plateau0.15+exit0.3": "tracker_kappa04_convert_until085_plateau15_exit30",
     "library:hold_on_plateau=0.15": "tracker_library_plateau15",
+    "kappa0.4-1.2+convert+plateau0.15": "tracker_kappa04_12_convert_plateau15",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)

@@ -212,6 +212,27 @@ def test_the_library_plateau_rule_is_the_librarys_controller_with_hold_on_platea
     assert (made.plateau.below, made.plateau.at, made.plateau.exit, made.convert_until) == (0.15, 0.25, None, 0.85)
 
 
+def test_the_rising_kappa_behind_the_plateau_hold_is_the_rising_rule_held_until_the_verdict(frontier):
+    """``kappa0.4-1.2+convert+plateau0.15``: no growth before a quarter of the run; past a verdict that reads a
+    falling loss, ``kappa`` is the rising rule's own (0.4 to 1.2 over the run, every halving converted)."""
+    import math
+
+    setting = frontier.base.SETTINGS["prose"]
+    made = frontier.proof_lr.make_controller(
+        frontier.proof_lr.Run(frontier.RULES["kappa0.4-1.2+convert+plateau0.15"], 0, "cosine"), setting)
+    rising = frontier.proof_lr.make_controller(
+        frontier.proof_lr.Run(frontier.RULES["kappa0.4-1.2+convert"], 0, "cosine"), setting)
+    total = setting.budget_tokens
+    assert made.convert_until == rising.convert_until == 1.0
+    for t in range(1000, int(0.25 * total), 4000):
+        made.observe_loss(float(t), 3 - 0.3 * math.log(t))
+        assert made._kappa_at(float(t)) == 0.0
+    made.observe_loss(0.25 * total, 3 - 0.3 * math.log(0.25 * total))
+    for t in (0.25 * total, 0.6 * total):
+        assert made._kappa_at(t) == rising._kappa_at(t) > 0.4
+    assert made.plateau_held is False
+
+
 def test_an_adam_run_trains_as_the_run_it_names_and_measures_through_adams_preconditioner(frontier, tmp_path):
     """``<schedule>_adam``: the same controller and the same training as ``<schedule>`` (a constant batch ends
     on the same loss to the last digit), only the noise scale is measured through Adam's preconditioner, so it
