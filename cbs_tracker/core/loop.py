@@ -425,7 +425,7 @@ class LoopTracker:
         Call it once per microbatch, before :meth:`step`, with the loss as the model returned it (its
         mean over the microbatch's units, not divided by the accumulation). A tensor stays on its
         device and is read with the next measured step's reduction (no host sync of its own). Every
-        rank gives its own; the controller fits all ranks' losses alike.
+        rank gives its own; the controller fits each step's mean over the ranks.
 
         Raises:
             TypeError: ``loss`` is neither a number nor a one-element tensor.

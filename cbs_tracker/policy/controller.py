@@ -677,8 +677,9 @@ class BatchSizeController:
         return self._apply_rules(now)
 
     def observe_loss(self, tokens: float, loss: float) -> None:
-        """One optimizer step's mean training loss on this rank, at ``tokens`` (all ranks' units so far, the
-        step's included), given before the step's :meth:`update`, for ``hold_on_plateau``. Ignored without
+        """One optimizer step's mean training loss (the adapters give the mean over the data-parallel ranks), at
+        ``tokens`` (all ranks' units so far, the step's included), given before the step's :meth:`update`, for
+        ``hold_on_plateau``. Ignored without
         it and once its verdict is final; a loss that is not finite (an overflowed step) is skipped.
 
         Raises:

@@ -63,10 +63,9 @@ class LossSlope:
         self.points.clear()
         self.sums = [0.0] * 5
 
-    def slope(self, tokens: float, sums: list[float] | None = None) -> float | None:
-        """The slope at ``tokens`` from ``sums`` (default: this rank's; all ranks' added up give the fit of
-        all their points), or ``None`` where it is not read."""
-        n, sx, sy, sxx, sxy = self.sums if sums is None else sums
+    def slope(self, tokens: float) -> float | None:
+        """The slope at ``tokens``, or ``None`` where it is not read."""
+        n, sx, sy, sxx, sxy = self.sums
         spread = sxx - sx * sx / n if n else 0.0
         if tokens < 2.5 * self.warmup or n < MIN_POINTS or spread <= 0:
             return None
@@ -129,8 +128,8 @@ class PlateauHold:
         return self.below is not None
 
     def holds(self, tokens: float, total: float | None) -> bool:
-        """Growth is held at ``tokens`` (before the verdict: while the run is short of ``at`` of ``total``; no
-        ``total``, no hold)."""
+        """Growth is held at ``tokens``: before the verdict (due or not) and after one that held; without the run's
+        length (``total``) nothing is held."""
         if not self.active or self.held is False:
             return False
         return self.held is True or total is not None  # held, or before a verdict (due or not)
