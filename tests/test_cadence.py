@@ -262,6 +262,41 @@ def test_cadence_state_round_trips():
     assert fresh.session.cadence.state_dict() == tracker.session.cadence.state_dict()
 
 
+def _windows_measured(tracker, model, x, y, start, stop):
+    out = []
+    for s in range(start, stop):
+        for k in range(ACC):
+            i = (s * ACC + k) * MICRO
+            with tracker.microbatch(size=MICRO):
+                (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
+        out.append(tracker.step().measured)
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("save_at", [0, 13, 14, 15, 16])
+def test_a_resumed_run_measures_the_windows_the_uninterrupted_run_measures(save_at):
+    """``measure_every=4``, saved before the first window or 1, 2, 3 or 0 windows after a measured one: the
+    resumed tracker measures every fourth window from the run's start, as the run not interrupted does (it
+    used to measure its first window, so that its decisions came up to three windows late)."""
+    steps = 24
+    weight, x, y, _ = _data(steps)
+
+    def fresh():
+        model = nn.Linear(D, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(weight[None])
+        return model, CBSTracker(model, accumulation_steps=ACC, unit="samples", controller=None, measure_every=4,
+                                 estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=10))
+
+    model, tracker = fresh()
+    before = _windows_measured(tracker, model, x, y, 0, save_at)
+    model, resumed = fresh()
+    resumed.load_state_dict(tracker.state_dict())
+    after = _windows_measured(resumed, model, x, y, save_at, steps)
+    assert before + after == [s % 4 == 0 for s in range(steps)]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(measure_every=0), r"measure_every=0\): must be an integer >= 1 or 'auto'"),
     (dict(measure_every="fast"), r"measure_every='fast'\): must be an integer >= 1 or 'auto'"),

@@ -128,15 +128,15 @@ def test_two_ranks_with_different_losses_read_the_slope_of_all_their_points_and_
     assert max(a for _, a, _ in out[0]["rows"]) > 2
 
 
-def test_a_run_resumed_before_its_verdict_decides_as_the_uninterrupted_one():
-    """Saved after step 201, two windows after a measured one (their losses, not yet given to the controller, are
-    in the state), before the verdict at step 250: the resumed run reads the same slope and changes the batch at
-    the same steps. (Saved where the next window is measured: a resume measures its first window, so elsewhere
-    its decisions, this option's and the noise scale's alike, come up to two windows later.)"""
-    whole, ctrl, saved = run(0, 1, steep, save_at=201)
-    assert len(saved["tracker"]["pending_losses"]) == 2
+@pytest.mark.parametrize("save_at, pending", [(199, 0), (200, 1), (201, 2)])
+def test_a_run_resumed_before_its_verdict_decides_as_the_uninterrupted_one(save_at, pending):
+    """Saved after step 199, 200 or 201: zero, one or two windows after a measured one (one in three; the losses
+    not yet given to the controller are in the state), before the verdict at step 250: the resumed run measures
+    the windows the uninterrupted one measures, reads the same slope and changes the batch at the same steps."""
+    whole, ctrl, saved = run(0, 1, steep, save_at=save_at)
+    assert len(saved["tracker"].get("pending_losses", [])) == pending
     resumed, again = run(0, 1, steep, state=saved)
-    assert resumed == whole[201:]
+    assert resumed == whole[save_at:]
     assert (again.plateau.verdict_tokens, again.plateau.verdict_slope, again.plateau.held) == (
         ctrl.plateau.verdict_tokens, ctrl.plateau.verdict_slope, ctrl.plateau.held)
 
