@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=4e-3, help="AdamW peak learning rate (default 4e-3)")
     p.add_argument("--dp", choices=["ddp", "fsdp"], default="ddp", help="data parallelism under torchrun")
     p.add_argument("--warmup-steps", type=int, default=20, help="controller: no change before this step")
+    p.add_argument("--hold-on-plateau", type=float, default=None,
+                   help="controller: hold growth on a loss plateau (BatchSizeController(hold_on_plateau=...)); "
+                        "default off")
     p.add_argument("--work-dir", default=None, help="token file and checkpoints (default: a temporary folder)")
     return p
 
@@ -93,7 +96,8 @@ def main() -> None:
     loader = NumpyDataLoaderConfig(
         global_batch_size=accumulation * args.micro_sequences * seq * world, seed=0, work_dir=work,
     ).build(dataset, dp_process_group=module.dp_process_group)
-    cbs = CBSOlmoCallback(controller=BatchSizeController(warmup_steps=args.warmup_steps, patience=8))
+    cbs = CBSOlmoCallback(controller=BatchSizeController(warmup_steps=args.warmup_steps, patience=8,
+                                                          hold_on_plateau=args.hold_on_plateau))
     trainer = TrainerConfig(
         # one folder per setting: the same command resumes its own run, another budget starts afresh
         save_folder=os.path.join(work, f"run{world}{'-' + args.dp if distributed else ''}-{args.tokens}"),
