@@ -276,9 +276,10 @@ def _windows_measured(tracker, model, x, y, start, stop):
 
 @pytest.mark.parametrize("save_at", [0, 13, 14, 15, 16])
 def test_a_resumed_run_measures_the_windows_the_uninterrupted_run_measures(save_at):
-    """``measure_every=4``, saved before the first window or 1, 2, 3 or 0 windows after a measured one: the
-    resumed tracker measures every fourth window from the run's start, as the run not interrupted does (it
-    used to measure its first window, so that its decisions came up to three windows late)."""
+    """``measure_every=4``, saved before the first window or 1, 2, 3 or 4 windows into a cycle (``since_measured``
+    0, 1, 2, 3): the resumed tracker measures every fourth window from the run's start, as the run not
+    interrupted does (it used to measure its first window, so that its decisions came up to three windows
+    late). The count of windows is the state's step; the state has no key of its own for it."""
     steps = 24
     weight, x, y, _ = _data(steps)
 

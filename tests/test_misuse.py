@@ -359,6 +359,10 @@ def _tracker_with_state():
     ({"version": "1"}, ValueError, r"state version '1' is not a version"),
     ({"version": 99}, ValueError, r"state version 99 is newer than 2"),
     ({"step": 2.5}, TypeError, r"state\['step'\]=2.5: expected an int >= 0"),
+    ({"cadence": {"measure_every": 1, "every_now": 0, "since_measured": 0}}, ValueError,
+     r"its 'cadence'\): state\['every_now'\]=0: expected an int >= 1"),
+    ({"cadence": {"measure_every": 1, "every_now": 1, "since_measured": "x"}}, TypeError,
+     r"its 'cadence'\): state\['since_measured'\]='x': expected an int >= 0"),
     ({"estimator": {"version": 1}}, (KeyError, TypeError, ValueError), None),
     ({"controller": {"version": 1, "exponent": "x"}}, (KeyError, TypeError, ValueError), None),
 ])

@@ -177,13 +177,14 @@ class MeasureCadence:
 
     def state_dict(self) -> dict[str, Any]:
         return {"measure_every": "auto" if self.auto else self.every, "every_now": self.every,
-                "since_measured": self._since, "windows": self._windows}
+                "since_measured": self._since}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on where the saved cadence was. An integer cadence measures the windows the uninterrupted run
-        would have measured (the run's first window only if none had passed; a state without ``windows``
-        was saved after some). ``"auto"`` warms up and times afresh: the resumed process's clock is new."""
+    def load_state_dict(self, state: dict[str, Any], windows: int = 0) -> None:
+        """Go on where the saved cadence was (``state`` checked by the session), ``windows`` windows into the run
+        (the session's step count: one step a window). An integer cadence then measures the windows the
+        uninterrupted run would have measured, the run's first only if none had passed; ``"auto"`` warms up
+        and times afresh, its first window measured: the resumed process's clock is new."""
         self.every = int(state.get("every_now", self.every))
         self._since = int(state.get("since_measured", 0))
         if not self.auto:
-            self._windows = int(state.get("windows", 1))
+            self._windows = int(windows)

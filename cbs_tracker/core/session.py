@@ -1033,7 +1033,7 @@ class TrackingSession:
             self._resume_warning = None
             self.warn_once(key, message)
         if read["cadence"] is not None:
-            self.cadence.load_state_dict(read["cadence"])
+            self.cadence.load_state_dict(read["cadence"], windows=self.step)
         schedule = read["schedule"]
         if self.timer is not None:
             self.timer.coupling = read["lr_coupling"]
@@ -1109,6 +1109,10 @@ def _read_state(state: dict[str, Any], where: str, starting_accumulation: float)
     if not isinstance(warned, (list, tuple)) or not all(isinstance(w, str) for w in warned):
         raise TypeError(f"{where}: 'warned' must be a list of str, got {warned!r}")
     cadence = state.get("cadence")
+    if isinstance(cadence, dict):  # the measuring cadence's counters (older states may lack either)
+        c = StateReader(cadence, f"{where} (its 'cadence')")
+        c.integer("every_now", minimum=1, default=1)
+        c.integer("since_measured", minimum=0, default=0)
     return {
         **read,
         "warned": list(warned),
