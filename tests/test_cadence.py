@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 from contextlib import nullcontext
 
 import pytest
@@ -296,6 +297,61 @@ def test_a_resumed_run_measures_the_windows_the_uninterrupted_run_measures(save_
     resumed.load_state_dict(tracker.state_dict())
     after = _windows_measured(resumed, model, x, y, save_at, steps)
     assert before + after == [s % 4 == 0 for s in range(steps)]
+
+
+class _Converting:
+    """A controller that converts one LR halving at each decision: its decisions and its own count carry it."""
+
+    observe_only = False
+    kappa = 1.0
+
+    def __init__(self) -> None:
+        self.lr_conversions = 0
+
+    def update(self, *, accumulation_steps, noise_scale, **_):
+        self.lr_conversions += 1
+        return types.SimpleNamespace(accumulation_steps=accumulation_steps, changed=False, critical_batch=noise_scale,
+                                     lr_factor=1.0, reason="count", lr_conversions=self.lr_conversions)
+
+    def state_dict(self):
+        return {"version": 1, "lr_conversions": self.lr_conversions}
+
+    def load_state_dict(self, state):
+        self.lr_conversions = state["lr_conversions"]
+
+
+def test_the_records_of_a_resumed_runs_first_unmeasured_windows_show_the_controllers_conversions():
+    """Resumed two windows after a measured one (``measure_every=4``): before its first decision the records show
+    the conversions the controller made before the checkpoint, as the run not interrupted shows them."""
+    steps, save_at = 24, 14
+    weight, x, y, _ = _data(steps)
+
+    def fresh():
+        model = nn.Linear(D, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(weight[None])
+        return model, CBSTracker(model, accumulation_steps=ACC, unit="samples", controller=_Converting(),
+                                 measure_every=4, estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=10))
+
+    def conversions(tracker, model, start, stop):
+        out = []
+        for s in range(start, stop):
+            for k in range(ACC):
+                i = (s * ACC + k) * MICRO
+                with tracker.microbatch(size=MICRO):
+                    (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
+            out.append(tracker.step().lr_conversions)
+            model.zero_grad(set_to_none=True)
+        return out
+
+    model, whole = fresh()
+    everything = conversions(whole, model, 0, steps)
+    assert everything == [s // 4 + 1 for s in range(steps)]  # a decision at every fourth window
+    model, tracker = fresh()
+    conversions(tracker, model, 0, save_at)
+    model, resumed = fresh()
+    resumed.load_state_dict(tracker.state_dict())
+    assert conversions(resumed, model, save_at, steps) == everything[save_at:]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -483,7 +483,7 @@ class TrackingSession:
             noise_scale_high=high,
             scheduled_lr=self.scheduled_lr(),
             lr_coupling=self.coupling if self.optimizer is not None else None,
-            lr_conversions=None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0),
+            lr_conversions=self._conversions(),
         )
         self.last_record = record
         self._record_current = True
@@ -618,10 +618,17 @@ class TrackingSession:
             "lr_coupling": self.coupling if self.optimizer is not None else None,
             "critical_batch": getattr(self.last_decision, "critical_batch", None),
             "kappa": getattr(self.controller, "kappa", None),
-            "lr_conversions": (
-                None if self.controller is None else int(getattr(self.last_decision, "lr_conversions", 0) or 0)
-            ),
+            "lr_conversions": self._conversions(),
         }
+
+    def _conversions(self) -> int | None:
+        """The LR-decay conversions a record shows: the last decision's, or before this process's first decision
+        (a resume whose first windows are not measured) the controller's own count."""
+        if self.controller is None:
+            return None
+        source = self.last_decision if self.last_decision is not None else self.controller
+        value = getattr(source, "lr_conversions", 0)
+        return int(value) if isinstance(value, numbers.Integral) else 0
 
     def _deferred_record(self, deferred: tuple[Any, Callable[[list[float]], StepStats], float], run: int,
                          window_accumulation: int, groups: Any) -> StepRecord:
