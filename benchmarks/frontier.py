@@ -120,7 +120,7 @@ RULES = {
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
-#: panels left to right: the two settings that chose the default, then the seven that only judged it
+#: panels left to right: the two settings that chose the default, then the eight that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
                  "tail": 9}
 DOC = ROOT / "docs" / "frontier.json"

@@ -280,7 +280,7 @@ NARROW = replace(WIDE, name="narrow", seq_len=80, n_layer=3, d_model=48, lr=4e-3
 TAIL = replace(QUICK, name="tail", budget_tokens=4 * 2**20, lr=3e-3, warmup_tokens=40_000, tracker_micro_sequences=4,
                tracker_start_tokens=256, constants=(256,), constant_tokens=256,
                ramp=((1024, 0.5), (2048, 0.25), (4096, 0.15), (8192, 0.10)), eval_every_tokens=131_072,
-               eval_sequences=512, corpus_max_bytes=None, corpus="docs", seeds=(0, 1), trace_every_tokens=8192)
+               eval_sequences=512, corpus_max_bytes=None, corpus="docs", seeds=(0, 1, 2, 3), trace_every_tokens=8192)
 
 #: A seconds-long setting whose starting batch is the constant 512 of the frontier's runs (tests).
 TINY = replace(QUICK, name="tiny", budget_tokens=65_536, tracker_start_tokens=512, constants=(512,),
