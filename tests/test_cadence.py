@@ -299,6 +299,33 @@ def test_a_resumed_run_measures_the_windows_the_uninterrupted_run_measures(save_
     assert before + after == [s % 4 == 0 for s in range(steps)]
 
 
+@pytest.mark.parametrize(("saved_every", "resumed_every"), [(4, 2), (2, 4), ("auto", 3)])
+def test_a_run_resumed_with_another_integer_cadence_measures_on_the_cadence_it_was_given(saved_every, resumed_every):
+    """Saved with one ``measure_every`` and resumed with an integer one: the resumed run measures one window in
+    ``resumed_every``, counted from the last window the saved run measured (it used to keep the saved run's ``n``,
+    ignoring the argument). The truth: the windows since the last measured one at the checkpoint, then every
+    ``resumed_every``-th."""
+    steps, save_at = 24, 14
+    weight, x, y, _ = _data(steps)
+
+    def fresh(every):
+        model = nn.Linear(D, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(weight[None])
+        return model, CBSTracker(model, accumulation_steps=ACC, unit="samples", controller=None, measure_every=every,
+                                 estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=10))
+
+    model, tracker = fresh(saved_every)
+    before = _windows_measured(tracker, model, x, y, 0, save_at)
+    since = save_at - 1 - max(i for i, m in enumerate(before) if m)
+    model, resumed = fresh(resumed_every)
+    resumed.load_state_dict(tracker.state_dict())
+    after = _windows_measured(resumed, model, x, y, save_at, steps)
+    first = next(i for i in range(steps - save_at) if since + 1 + i >= resumed_every)
+    expected = [i >= first and (i - first) % resumed_every == 0 for i in range(steps - save_at)]
+    assert after == expected
+
+
 class _Converting:
     """A controller that converts one LR halving at each decision: its decisions and its own count carry it."""
 

@@ -183,8 +183,11 @@ class MeasureCadence:
         """Go on where the saved cadence was (``state`` checked by the session), ``windows`` windows into the run
         (the session's step count: one step a window). An integer cadence then measures the windows the
         uninterrupted run would have measured, the run's first only if none had passed; ``"auto"`` warms up
-        and times afresh, its first window measured: the resumed process's clock is new."""
-        self.every = int(state.get("every_now", self.every))
+        and times afresh, its first window measured: the resumed process's clock is new. An integer cadence is
+        the one this process was given, whatever the saved run's (its windows since the last measured one carry
+        over); ``"auto"`` starts from the saved run's ``n``."""
+        if self.auto:
+            self.every = int(state.get("every_now", self.every))
         self._since = int(state.get("since_measured", 0))
         if not self.auto:
             self._windows = int(windows)
