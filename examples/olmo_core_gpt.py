@@ -99,8 +99,9 @@ def main() -> None:
     cbs = CBSOlmoCallback(controller=BatchSizeController(warmup_steps=args.warmup_steps, patience=8,
                                                           hold_on_plateau=args.hold_on_plateau))
     trainer = TrainerConfig(
-        # one folder per setting: the same command resumes its own run, another budget starts afresh
-        save_folder=os.path.join(work, f"run{world}{'-' + args.dp if distributed else ''}-{args.tokens}"),
+        # one folder per setting: the same command resumes its own run, another budget or plateau hold starts afresh
+        save_folder=os.path.join(work, f"run{world}{'-' + args.dp if distributed else ''}-{args.tokens}"
+                                       + ("" if args.hold_on_plateau is None else f"-plateau{args.hold_on_plateau:g}")),
         max_duration=Duration.tokens(args.tokens),
         metrics_collect_interval=10, save_overwrite=True,
         callbacks={"cbs": cbs, "checkpointer": CheckpointerCallback(save_interval=10_000, save_async=False)},

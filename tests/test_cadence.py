@@ -349,7 +349,8 @@ class _Converting:
 
 def test_the_records_of_a_resumed_runs_first_unmeasured_windows_show_the_controllers_conversions():
     """Resumed two windows after a measured one (``measure_every=4``): before its first decision the records show
-    the conversions the controller made before the checkpoint, as the run not interrupted shows them."""
+    the conversions the controller made before the checkpoint and the critical batch it decided last, as the run
+    not interrupted shows them (they showed 0 and ``None``)."""
     steps, save_at = 24, 14
     weight, x, y, _ = _data(steps)
 
@@ -358,7 +359,7 @@ def test_the_records_of_a_resumed_runs_first_unmeasured_windows_show_the_control
         with torch.no_grad():
             model.weight.copy_(weight[None])
         return model, CBSTracker(model, accumulation_steps=ACC, unit="samples", controller=_Converting(),
-                                 measure_every=4, estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=10))
+                                 measure_every=4, estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=2))
 
     def conversions(tracker, model, start, stop):
         out = []
@@ -367,13 +368,16 @@ def test_the_records_of_a_resumed_runs_first_unmeasured_windows_show_the_control
                 i = (s * ACC + k) * MICRO
                 with tracker.microbatch(size=MICRO):
                     (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
-            out.append(tracker.step().lr_conversions)
+            record = tracker.step()
+            out.append((record.lr_conversions, record.critical_batch))
             model.zero_grad(set_to_none=True)
         return out
 
     model, whole = fresh()
     everything = conversions(whole, model, 0, steps)
-    assert everything == [s // 4 + 1 for s in range(steps)]  # a decision at every fourth window
+    assert [c for c, _ in everything] == [s // 4 + 1 for s in range(steps)]  # a decision at every fourth window
+    decided = [b for _, b in everything]
+    assert decided[12] is not None and decided[13:16] == [decided[12]] * 3  # the decision at window 12 stands
     model, tracker = fresh()
     conversions(tracker, model, 0, save_at)
     model, resumed = fresh()

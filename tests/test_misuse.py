@@ -363,6 +363,8 @@ def _tracker_with_state():
      r"its 'cadence'\): state\['every_now'\]=0: expected an int >= 1"),
     ({"cadence": {"measure_every": 1, "every_now": 1, "since_measured": "x"}}, TypeError,
      r"its 'cadence'\): state\['since_measured'\]='x': expected an int >= 0"),
+    ({"critical_batch": -1.0}, ValueError, r"state\['critical_batch'\]=-1.0: expected a finite number >= 0"),
+    ({"critical_batch": "big"}, TypeError, r"state\['critical_batch'\]='big': expected a finite number >= 0"),
     ({"estimator": {"version": 1}}, (KeyError, TypeError, ValueError), None),
     ({"controller": {"version": 1, "exponent": "x"}}, (KeyError, TypeError, ValueError), None),
 ])

@@ -198,6 +198,7 @@ class TrackingSession:
         self._record_current = False  # last_record tells the estimator's state (finish_counted may copy it)
         self._last_stats: StepStats | None = None
         self.last_decision: Any | None = None
+        self._resumed_critical: float | None = None  # the saved run's last decided critical batch, on a resume
         #: the windows' mean losses (numbers, one-element tensors or ``None``: none given on this rank) as floats,
         #: each the mean over the ranks that gave one (``nan``: none did); the engine reads tensors in one transfer
         #: and, on several ranks, averages them in one small ``all_reduce``
@@ -454,7 +455,7 @@ class TrackingSession:
             critical = self._decide(stats, window_accumulation, low, high, measured=measured)
         else:
             self.changed_this_step = False
-            critical = getattr(self.last_decision, "critical_batch", None)
+            critical = self._last_critical()
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = float(self.optimizer.param_groups[0]["lr"])
         step_est = None if estimate is None else estimate.step
@@ -616,10 +617,17 @@ class TrackingSession:
             ),
             "scheduled_lr": self.scheduled_lr(),
             "lr_coupling": self.coupling if self.optimizer is not None else None,
-            "critical_batch": getattr(self.last_decision, "critical_batch", None),
+            "critical_batch": self._last_critical(),
             "kappa": getattr(self.controller, "kappa", None),
             "lr_conversions": self._conversions(),
         }
+
+    def _last_critical(self) -> float | None:
+        """The critical batch a window not measured's record shows: the last decision's, or before this process's
+        first decision (a resume whose first windows are not measured) the one the saved run decided last."""
+        if self.last_decision is not None:
+            return getattr(self.last_decision, "critical_batch", None)
+        return self._resumed_critical
 
     def _conversions(self) -> int | None:
         """The LR-decay conversions a record shows: the last decision's, or before this process's first decision
@@ -969,8 +977,10 @@ class TrackingSession:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers and a version: everything needed to continue the same run."""
-        pending = self._pending_losses()
+        pending, critical = self._pending_losses(), self._last_critical()
         return {**({"pending_losses": pending} if pending else {}),  # only with hold_on_plateau collecting
+            # the last decision's critical batch, shown by the records of a resumed run's first unmeasured windows
+            **({"critical_batch": float(critical)} if critical is not None and math.isfinite(critical) else {}),
             "version": SESSION_STATE_VERSION,
             "unit": self.unit,
             "dp_degree": self.dp_degree,
@@ -1034,6 +1044,7 @@ class TrackingSession:
         self.coupling = read["lr_coupling"]
         self._warned = set(read["warned"])
         self._losses = list(read["pending_losses"])  # given to the controller at the next decision
+        self.last_decision, self._resumed_critical = None, read["critical_batch"]  # the loaded run's, until it decides
         self._window_loss, self._window_losses = None, 0
         if self._resume_warning is not None:
             key, message = self._resume_warning
@@ -1127,6 +1138,7 @@ def _read_state(state: dict[str, Any], where: str, starting_accumulation: float)
         "cadence": cadence if isinstance(cadence, dict) else None,
         "recouple": bool(state.get("recouple", 0)),
         "pending_losses": _read_pending_losses(state.get("pending_losses", []), where),
+        "critical_batch": None if state.get("critical_batch") is None else r.number("critical_batch", minimum=0.0),
     }
 
 
