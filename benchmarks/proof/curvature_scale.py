@@ -1,0 +1,181 @@
+"""Would the noise scale weighted by the curvature make ``kappa`` agree across models?
+
+``B_simple = tr(Sigma) / |G|^2`` is the critical batch of McCandlish et al.'s theory only where the Hessian is a
+multiple of the identity. Their critical batch itself is ``B_noise = tr(H Sigma) / (G^T H G)``: the batch at which
+the loss a step gains along the noisy gradient, with the best step size, is half what the true gradient would give.
+The frontier's best fixed ``kappa`` differs by model (the largest that keeps the loss: about 0.2 on the wide GPT,
+0.4 on the proof and 6-layer code GPTs, 0.5 on the 3-layer code GPT, 0.7-1.2 on prose, the synthetic language and
+the 1-layer GPT). If ``kappa`` were ``B_noise / B_simple``, the ratio measured here would be in that order.
+Under Adam the update is ``-lr P g`` (``P = 1 / (sqrt(v) + eps)``, the optimizer's own second moments), and the
+same argument gives ``B_adam = tr(P H P Sigma) / (G^T P H P G)``, measured here too.
+
+This trains the frontier's constant run (the tracker's starting batch and microbatches, AdamW, the LR schedule in
+tokens, the gradient clipped as the frontier's runs do) and at ``--marks`` (fractions of the run) freezes the
+weights and draws ``--microbatches`` fresh microbatches of the run's size: their gradients ``g_i`` give the mean
+``g`` and the deviations ``d_i = g_i - g``; the Hessian ``H`` is that of ``--hessian`` other microbatches'
+mean loss, applied by double backward (``torch.autograd.grad`` twice, the training gradients untouched). The
+estimates are unbiased for the quadratic forms: ``tr(H Sigma_b) = sum d_i^T H d_i / (N - 1)``, ``G^T H G =
+g^T H g - tr(H Sigma_b) / N`` (and the same with ``I`` for ``B_simple``), each noise scale in tokens
+(microbatch tokens x the microbatch's). A negative ``G^T H G`` (the loss curving down along the gradient) gives
+no ``B_noise`` (``None``).
+
+    python -m benchmarks.proof.curvature_scale --setting wide --out docs/curvature_scale.json   # 1-5 min a setting
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+from . import gpt_proof as base
+from . import gpt_proof_lr as proof_lr
+from .step_ratio import save_run
+
+#: about the largest fixed ``kappa`` that keeps the loss on the frontier, by setting (as the group and Adam
+#: diagnostics read it; on tail ``kappa = 0.5``, the largest fixed one run there, and the rise to 1.2 kept it):
+#: what the ratio would have to follow if it were ``kappa``
+FRONTIER_KAPPA = {"wide": 0.2, "tall": 0.3, "full": 0.4, "heldout": 0.5, "prose": 1.0, "synth": 1.0, "tail": 0.5}
+
+
+def quadratic_forms(grads: Any, hvp: Any, scale: Any = None) -> dict[str, float]:
+    """The unbiased ``tr(Sigma_b)``, ``|G|^2``, ``tr(H Sigma_b)`` and ``G^T H G`` from ``grads`` (``N x n``, one
+    microbatch's gradient a row) and ``hvp`` (``v -> H v``); with ``scale`` (``n``) the gradients are first
+    multiplied by it (``P g``: the preconditioned forms)."""
+    n = grads.shape[0]
+    g = grads if scale is None else grads * scale
+    mean = g.mean(0)
+    dev = g - mean
+    trace = float(dev.pow(2).sum()) / (n - 1)
+    sq = float(mean.pow(2).sum()) - trace / n
+    h_trace = sum(float(d @ hvp(d)) for d in dev) / (n - 1)
+    h_sq = float(mean @ hvp(mean)) - h_trace / n
+    return {"trace_cov": trace, "grad_sq_norm": sq, "h_trace_cov": h_trace, "h_grad_sq_norm": h_sq}
+
+
+def noise_scales(forms: dict[str, float], tokens: float) -> tuple[float | None, float | None]:
+    """``(B_simple, B_noise)`` in tokens from :func:`quadratic_forms` of microbatches of ``tokens`` tokens."""
+    simple = tokens * forms["trace_cov"] / forms["grad_sq_norm"] if forms["grad_sq_norm"] > 0 else None
+    noise = tokens * forms["h_trace_cov"] / forms["h_grad_sq_norm"] if forms["h_grad_sq_norm"] > 0 else None
+    return simple, noise
+
+
+def _flat(tensors: Any) -> Any:
+    import torch
+
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def hessian_vector_product(model: Any, params: list[Any], batches: list[tuple[Any, Any]]) -> Any:
+    """``v -> H v`` (``v`` flat, float64) for ``H`` the Hessian in ``params`` of the mean of ``model``'s losses on
+    ``batches``, by double backward; the gradients' graphs are built once and kept."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no second derivative
+        graphs = [torch.autograd.grad(model(x, y)[1], params, create_graph=True) for x, y in batches]
+    sizes = [p.numel() for p in params]
+
+    def hvp(v: Any) -> Any:
+        out = torch.zeros_like(v)
+        parts = [t.view_as(p).to(p.dtype) for t, p in zip(torch.split(v, sizes), params, strict=True)]
+        for g in graphs:
+            dot = sum((a * b).sum() for a, b in zip(g, parts, strict=True))
+            out += _flat(torch.autograd.grad(dot, params, retain_graph=True)).double()
+        return out / len(graphs)
+
+    return hvp
+
+
+def measure_at(model: Any, optimizer: Any, stream: Any, micro: int, micro_tokens: float, microbatches: int,
+               hessian: int) -> dict[str, Any]:
+    """Both noise scales, plain and through Adam's preconditioner, at the model's current weights (``micro``
+    sequences, ``micro_tokens`` tokens, a microbatch)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for _ in range(microbatches):
+        x, y = stream.next_batch(micro)
+        rows.append(_flat(torch.autograd.grad(model(x, y)[1], params)).double())
+    grads = torch.stack(rows)
+    hvp = hessian_vector_product(model, params, [stream.next_batch(micro) for _ in range(hessian)])
+    group = optimizer.param_groups[0]
+    beta2, eps = group["betas"][1], group["eps"]
+    second = []
+    for p in params:
+        state = optimizer.state[p]
+        v = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
+        second.append((1.0 / (v.sqrt() + eps)).reshape(-1))
+    scale = torch.cat(second).double()
+    plain, adam = quadratic_forms(grads, hvp), quadratic_forms(grads, hvp, scale)
+    b_simple, b_noise = noise_scales(plain, micro_tokens)
+    b_adam_simple, b_adam = noise_scales(adam, micro_tokens)
+    return {"b_simple": b_simple, "b_noise": b_noise, "b_adam_simple": b_adam_simple, "b_adam_noise": b_adam,
+            "forms": plain, "adam_forms": adam}
+
+
+def measure(setting: base.Setting, seed: int, marks: list[float], microbatches: int, hessian: int) -> dict[str, Any]:
+    """Train the constant run to each mark and measure there (:func:`measure_at`)."""
+    import torch
+
+    from cbs_tracker.demo.corpus import SequenceStream
+
+    torch.set_num_threads(1)
+    start, micro = setting.tracker_start_tokens, setting.tracker_micro_sequences
+    b = micro * setting.seq_len
+    per_window = start // b
+    model, optimizer, scheduler = proof_lr.start_of_run(setting, seed, "cosine", start)
+    stream = SequenceStream(base.load_setting_corpus(setting).train, seq_len=setting.seq_len, seed=seed)
+    probe = SequenceStream(base.load_setting_corpus(setting).train, seq_len=setting.seq_len, seed=10_000 + seed)
+    tokens, points = 0.0, []
+    for mark in marks:
+        while tokens < mark * setting.budget_tokens:
+            optimizer.zero_grad(set_to_none=True)
+            for _ in range(per_window):
+                x, y = stream.next_batch(micro)
+                (model(x, y)[1] / per_window).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
+            optimizer.step()
+            scheduler.step()
+            tokens += start
+        optimizer.zero_grad(set_to_none=True)
+        point = measure_at(model, optimizer, probe, micro, b, microbatches, hessian)
+        point.update(mark=mark, tokens=tokens)
+        points.append(point)
+        ratio = None if not (point["b_noise"] and point["b_simple"]) else point["b_noise"] / point["b_simple"]
+        adam = None if not (point["b_adam_noise"] and point["b_simple"]) else point["b_adam_noise"] / point["b_simple"]
+        print(f"{setting.name} seed {seed} at {mark:.2f} ({tokens:,.0f} tokens): B_simple {_fmt(point['b_simple'])}, "
+              f"B_noise {_fmt(point['b_noise'])} (x{_fmt(ratio, '.2f')}), B_adam {_fmt(point['b_adam_noise'])} "
+              f"(x{_fmt(adam, '.2f')} B_simple)", flush=True)
+    return {"seed": seed, "microbatch_tokens": b, "start_tokens": start, "points": points}
+
+
+def _fmt(value: float | None, spec: str = ",.0f") -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setting", choices=sorted(base.SETTINGS), default="wide")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--marks", default="0.1,0.25,0.5", help="fractions of the run (default 0.1,0.25,0.5)")
+    p.add_argument("--microbatches", type=int, default=32, help="gradients drawn at each mark (default 32)")
+    p.add_argument("--hessian", type=int, default=4, help="microbatches whose mean loss's Hessian is used (default 4)")
+    p.add_argument("--out", type=Path, required=True, help="a JSON file; runs of other settings in it are kept")
+    args = p.parse_args(argv)
+    marks = [float(m) for m in args.marks.split(",")]
+    if not all(0 < m <= 1 for m in marks) or marks != sorted(marks) or args.microbatches < 2 or args.hessian < 1:
+        p.error(f"--marks must rise in (0, 1], --microbatches >= 2 and --hessian >= 1; got {args.marks!r}, "
+                f"{args.microbatches}, {args.hessian}")
+    setting = base.SETTINGS[args.setting]
+    run = measure(setting, args.seed, marks, args.microbatches, args.hessian)
+    result = {"setting": setting.name, "setting_key": setting.key(), "seed": args.seed, "lr_schedule": "cosine",
+              "library_commit": base._library_commit(), "frontier_kappa": FRONTIER_KAPPA.get(setting.name), **run}
+    save_run(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
