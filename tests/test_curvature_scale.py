@@ -12,12 +12,14 @@ from benchmarks.proof import curvature_scale as cs
 from benchmarks.proof import gpt_proof as base
 
 
-def test_the_quadratic_forms_are_unbiased_at_four_microbatches():
-    """Gradients drawn from ``N(G, Sigma)`` four at a time, a known symmetric ``A`` for the Hessian, a known
-    scale for the preconditioner: over many draws the mean of each estimate is its analytic value. The noise is
-    four times the signal, so the estimates without their ``- trace / N`` corrections would be biased by 100%."""
-    gen = torch.Generator().manual_seed(0)
-    dim, n, draws = 5, 4, 20_000
+@pytest.mark.parametrize("n, k", [(4, 4), (8, 3)])
+def test_the_quadratic_forms_are_unbiased_at_a_few_microbatches(n, k):
+    """Gradients drawn from ``N(G, Sigma)`` ``n`` at a time, the Hessian (a known symmetric ``A``) applied to ``k`` of
+    them, a known scale for the preconditioner: over many draws the mean of each estimate is its analytic value.
+    The noise is four times the signal, so the estimates without their ``1/N`` corrections would be biased by 50%
+    to 100%."""
+    gen = torch.Generator().manual_seed(n)
+    dim, draws = 5, 20_000
     root = torch.randn(dim, dim, generator=gen, dtype=torch.float64)
     sigma = root @ root.T
     mean = torch.randn(dim, generator=gen, dtype=torch.float64)
@@ -32,10 +34,12 @@ def test_the_quadratic_forms_are_unbiased_at_four_microbatches():
         sums = dict.fromkeys(truth, 0.0)
         for _ in range(draws):
             grads = mean + torch.randn(n, dim, generator=gen, dtype=torch.float64) @ root.T
-            for k, v in cs.quadratic_forms(grads, lambda v: a @ v, s).items():
-                sums[k] += v / draws
-        for k, v in truth.items():
-            assert sums[k] == pytest.approx(v, rel=0.03), k
+            scaled = grads if s is None else grads * s
+            forms = cs.quadratic_forms(grads.sum(0), float(scaled.pow(2).sum()), n, grads[:k], lambda v: a @ v, s)
+            for key, v in forms.items():
+                sums[key] += v / draws
+        for key, v in truth.items():
+            assert sums[key] == pytest.approx(v, rel=0.03), key
 
 
 def test_the_hessian_vector_product_is_the_central_difference_of_the_gradient():
@@ -78,7 +82,7 @@ def test_the_diagnostic_measures_the_tiny_setting_at_its_marks(tmp_path):
     """End to end on the tiny setting: a point at each mark, the noise scales positive where defined, written to
     the file with the setting's key."""
     out = tmp_path / "cs.json"
-    assert cs.main(["--setting", "tiny", "--marks", "0.5,1", "--microbatches", "32", "--hessian", "1",
+    assert cs.main(["--setting", "tiny", "--marks", "0.5,1", "--microbatches", "64", "--deviations", "4", "--hessian", "1",
                     "--out", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["setting_key"] == base.SETTINGS["tiny"].key() and [p["mark"] for p in run["points"]] == [0.5, 1.0]

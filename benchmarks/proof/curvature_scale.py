@@ -11,13 +11,15 @@ same argument gives ``B_adam = tr(P H P Sigma) / (G^T P H P G)``, measured here 
 
 This trains the frontier's constant run (the tracker's starting batch and microbatches, AdamW, the LR schedule in
 tokens, the gradient clipped as the frontier's runs do) and at ``--marks`` (fractions of the run) freezes the
-weights and draws ``--microbatches`` fresh microbatches of the run's size: their gradients ``g_i`` give the mean
-``g`` and the deviations ``d_i = g_i - g``; the Hessian ``H`` is that of ``--hessian`` other microbatches'
-mean loss, applied by double backward (``torch.autograd.grad`` twice, the training gradients untouched). The
-estimates are unbiased for the quadratic forms: ``tr(H Sigma_b) = sum d_i^T H d_i / (N - 1)``, ``G^T H G =
-g^T H g - tr(H Sigma_b) / N`` (and the same with ``I`` for ``B_simple``), each noise scale in tokens
-(microbatch tokens x the microbatch's). A negative ``G^T H G`` (the loss curving down along the gradient) gives
-no ``B_noise`` (``None``).
+weights and draws ``--microbatches`` (``N``) fresh microbatches of the run's size: their gradients ``g_i`` give the
+mean ``g`` and ``tr(Sigma_b)``; the Hessian ``H`` of ``--hessian`` other microbatches' mean loss, applied by double
+backward (``torch.autograd.grad`` twice, the training gradients untouched), goes to the deviations ``d_i = g_i - g``
+of the first ``--deviations`` of them and to ``g``. The estimates are unbiased: ``tr(H Sigma_b)`` is the mean of
+``d_i^T H d_i`` over ``1 - 1/N``, ``G^T H G = g^T H g - tr(H Sigma_b) / N`` (and the same with ``I`` for
+``B_simple``), each noise scale in tokens (the microbatch's tokens x the ratio). The mean gradient's noise is what
+limits them (at ``B_simple`` ten microbatches, ``|G|^2`` from ``N`` of them has a relative error of about
+``2 sqrt(10 / N)``): hence thousands of gradients and few Hessian products. A negative ``G^T H G`` (the loss curving
+down along the gradient) gives no ``B_noise`` (``None``).
 
     python -m benchmarks.proof.curvature_scale --setting wide --out docs/curvature_scale.json   # 1-5 min a setting
 """
@@ -39,17 +41,17 @@ from .step_ratio import save_run
 FRONTIER_KAPPA = {"wide": 0.2, "tall": 0.3, "full": 0.4, "heldout": 0.5, "prose": 1.0, "synth": 1.0, "tail": 0.5}
 
 
-def quadratic_forms(grads: Any, hvp: Any, scale: Any = None) -> dict[str, float]:
-    """The unbiased ``tr(Sigma_b)``, ``|G|^2``, ``tr(H Sigma_b)`` and ``G^T H G`` from ``grads`` (``N x n``, one
-    microbatch's gradient a row) and ``hvp`` (``v -> H v``); with ``scale`` (``n``) the gradients are first
-    multiplied by it (``P g``: the preconditioned forms)."""
-    n = grads.shape[0]
-    g = grads if scale is None else grads * scale
-    mean = g.mean(0)
-    dev = g - mean
-    trace = float(dev.pow(2).sum()) / (n - 1)
-    sq = float(mean.pow(2).sum()) - trace / n
-    h_trace = sum(float(d @ hvp(d)) for d in dev) / (n - 1)
+def quadratic_forms(total: Any, square_sum: float, n: int, sample: Any, hvp: Any, scale: Any = None) -> dict[str, float]:
+    """The unbiased ``tr(Sigma_b)``, ``|G|^2``, ``tr(H Sigma_b)`` and ``G^T H G`` from ``n`` microbatch gradients:
+    ``total`` their sum, ``square_sum`` the sum of their squared norms, ``sample`` (``k x dim``) ``k`` of them,
+    whose deviations from the mean the Hessian is applied to (``hvp``: ``v -> H v``). With ``scale`` (``dim``) every
+    gradient is first multiplied by it (``P g``: the preconditioned forms; ``square_sum`` is then of ``P g``)."""
+    mean = total / n if scale is None else total * scale / n
+    trace = (square_sum - n * float(mean @ mean)) / (n - 1)
+    sq = float(mean @ mean) - trace / n
+    dev = (sample if scale is None else sample * scale) - mean
+    # a sampled gradient is one of the n in the mean: E[d^T H d] = tr(H Sigma_b) (1 - 1/n)
+    h_trace = sum(float(d @ hvp(d)) for d in dev) / len(dev) / (1 - 1 / n)
     h_sq = float(mean @ hvp(mean)) - h_trace / n
     return {"trace_cov": trace, "grad_sq_norm": sq, "h_trace_cov": h_trace, "h_grad_sq_norm": h_sq}
 
@@ -89,18 +91,13 @@ def hessian_vector_product(model: Any, params: list[Any], batches: list[tuple[An
 
 
 def measure_at(model: Any, optimizer: Any, stream: Any, micro: int, micro_tokens: float, microbatches: int,
-               hessian: int) -> dict[str, Any]:
+               deviations: int, hessian: int) -> dict[str, Any]:
     """Both noise scales, plain and through Adam's preconditioner, at the model's current weights (``micro``
-    sequences, ``micro_tokens`` tokens, a microbatch)."""
+    sequences, ``micro_tokens`` tokens, a microbatch): ``microbatches`` gradients for the mean and the trace, the
+    Hessian of ``hessian`` other microbatches applied to the first ``deviations`` of them."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for _ in range(microbatches):
-        x, y = stream.next_batch(micro)
-        rows.append(_flat(torch.autograd.grad(model(x, y)[1], params)).double())
-    grads = torch.stack(rows)
-    hvp = hessian_vector_product(model, params, [stream.next_batch(micro) for _ in range(hessian)])
     group = optimizer.param_groups[0]
     beta2, eps = group["betas"][1], group["eps"]
     second = []
@@ -109,14 +106,27 @@ def measure_at(model: Any, optimizer: Any, stream: Any, micro: int, micro_tokens
         v = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
         second.append((1.0 / (v.sqrt() + eps)).reshape(-1))
     scale = torch.cat(second).double()
-    plain, adam = quadratic_forms(grads, hvp), quadratic_forms(grads, hvp, scale)
+    total, squares, scaled_squares, sample = None, 0.0, 0.0, []
+    for i in range(microbatches):
+        x, y = stream.next_batch(micro)
+        g = _flat(torch.autograd.grad(model(x, y)[1], params)).double()
+        total = g.clone() if total is None else total.add_(g)
+        squares += float(g @ g)
+        scaled_squares += float((g * scale).pow(2).sum())
+        if i < deviations:
+            sample.append(g)
+    rows = torch.stack(sample)
+    hvp = hessian_vector_product(model, params, [stream.next_batch(micro) for _ in range(hessian)])
+    plain = quadratic_forms(total, squares, microbatches, rows, hvp)
+    adam = quadratic_forms(total, scaled_squares, microbatches, rows, hvp, scale)
     b_simple, b_noise = noise_scales(plain, micro_tokens)
     b_adam_simple, b_adam = noise_scales(adam, micro_tokens)
     return {"b_simple": b_simple, "b_noise": b_noise, "b_adam_simple": b_adam_simple, "b_adam_noise": b_adam,
             "forms": plain, "adam_forms": adam}
 
 
-def measure(setting: base.Setting, seed: int, marks: list[float], microbatches: int, hessian: int) -> dict[str, Any]:
+def measure(setting: base.Setting, seed: int, marks: list[float], microbatches: int, deviations: int,
+            hessian: int) -> dict[str, Any]:
     """Train the constant run to each mark and measure there (:func:`measure_at`)."""
     import torch
 
@@ -141,7 +151,7 @@ def measure(setting: base.Setting, seed: int, marks: list[float], microbatches: 
             scheduler.step()
             tokens += start
         optimizer.zero_grad(set_to_none=True)
-        point = measure_at(model, optimizer, probe, micro, b, microbatches, hessian)
+        point = measure_at(model, optimizer, probe, micro, b, microbatches, deviations, hessian)
         point.update(mark=mark, tokens=tokens)
         points.append(point)
         ratio = None if not (point["b_noise"] and point["b_simple"]) else point["b_noise"] / point["b_simple"]
@@ -161,16 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setting", choices=sorted(base.SETTINGS), default="wide")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--marks", default="0.1,0.25,0.5", help="fractions of the run (default 0.1,0.25,0.5)")
-    p.add_argument("--microbatches", type=int, default=32, help="gradients drawn at each mark (default 32)")
+    p.add_argument("--microbatches", type=int, default=2048,
+                   help="gradients drawn at each mark for the mean and the trace (default 2048)")
+    p.add_argument("--deviations", type=int, default=32,
+                   help="of them, those the Hessian is applied to (default 32)")
     p.add_argument("--hessian", type=int, default=4, help="microbatches whose mean loss's Hessian is used (default 4)")
     p.add_argument("--out", type=Path, required=True, help="a JSON file; runs of other settings in it are kept")
     args = p.parse_args(argv)
     marks = [float(m) for m in args.marks.split(",")]
-    if not all(0 < m <= 1 for m in marks) or marks != sorted(marks) or args.microbatches < 2 or args.hessian < 1:
-        p.error(f"--marks must rise in (0, 1], --microbatches >= 2 and --hessian >= 1; got {args.marks!r}, "
-                f"{args.microbatches}, {args.hessian}")
+    if (not all(0 < m <= 1 for m in marks) or marks != sorted(marks) or args.microbatches < 2
+            or not 1 <= args.deviations <= args.microbatches or args.hessian < 1):
+        p.error(f"--marks must rise in (0, 1], --microbatches >= 2, --deviations in [1, --microbatches] and "
+                f"--hessian >= 1; got {args.marks!r}, {args.microbatches}, {args.deviations}, {args.hessian}")
     setting = base.SETTINGS[args.setting]
-    run = measure(setting, args.seed, marks, args.microbatches, args.hessian)
+    run = measure(setting, args.seed, marks, args.microbatches, args.deviations, args.hessian)
     result = {"setting": setting.name, "setting_key": setting.key(), "seed": args.seed, "lr_schedule": "cosine",
               "library_commit": base._library_commit(), "frontier_kappa": FRONTIER_KAPPA.get(setting.name), **run}
     save_run(args.out, result)
