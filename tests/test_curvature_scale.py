@@ -90,3 +90,17 @@ def test_the_diagnostic_measures_the_tiny_setting_at_its_marks(tmp_path):
         for key in ("b_simple", "b_noise", "b_adam_simple", "b_adam_noise"):
             assert point[key] is None or point[key] > 0
         assert point["b_simple"] is not None
+
+
+def test_the_report_takes_the_median_and_range_of_each_settings_ratios_in_the_order_of_their_kappa():
+    """Three points on prose (ratios 0.2, 0.9, 0.4; a fourth without a ``B_noise`` counts for the Adam column only)
+    and one on wide: a row each, wide (``kappa`` 0.2) first."""
+    def point(simple, noise, adam):
+        return {"b_simple": simple, "b_noise": noise, "b_adam_noise": adam}
+
+    runs = [{"setting": "prose", "points": [point(1000, 200, 500), point(1000, 900, 300)]},
+            {"setting": "prose", "points": [point(500, 200, 250), point(800, None, 400)]},
+            {"setting": "wide", "points": [point(2000, 1000, 600)]}]
+    rows = cs.report(runs).splitlines()[2:]
+    assert rows == ["| wide | 0.2 | 1 | 0.50 (0.50–0.50) | 0.30 (0.30–0.30) |",
+                    "| prose | 1.0 | 4 | 0.40 (0.20–0.90) | 0.50 (0.30–0.50) |"]

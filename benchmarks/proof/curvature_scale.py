@@ -21,13 +21,16 @@ limits them (at ``B_simple`` ten microbatches, ``|G|^2`` from ``N`` of them has 
 ``2 sqrt(10 / N)``): hence thousands of gradients and few Hessian products. A negative ``G^T H G`` (the loss curving
 down along the gradient) gives no ``B_noise`` (``None``).
 
-    python -m benchmarks.proof.curvature_scale --setting wide --out docs/curvature_scale.json   # 1-5 min a setting
+    python -m benchmarks.proof.curvature_scale --setting wide --seed 0 --microbatches 4096 --deviations 64 --hessian 8 --out docs/curvature_scale.json
+    python -m benchmarks.proof.curvature_scale --report --out docs/curvature_scale.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +169,25 @@ def _fmt(value: float | None, spec: str = ",.0f") -> str:
     return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
 
+def report(runs: list[dict[str, Any]]) -> str:
+    """A markdown row per setting: the frontier's ``kappa`` and, over its seeds and marks, the median and range of
+    ``B_noise / B_simple`` and ``B_adam / B_simple``, each from the points where both of its noise scales are."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["setting"], []).append(r)
+    lines = ["| setting | frontier's kappa | seeds x marks | B_noise / B_simple: median (range) | "
+             "B_adam / B_simple: median (range) |", "|---|---|---|---|---|"]
+    for name in sorted(by, key=lambda n: FRONTIER_KAPPA.get(n, math.inf)):
+        cells = []
+        for key in ("b_noise", "b_adam_noise"):
+            ratios = [p[key] / p["b_simple"] for r in by[name] for p in r["points"] if p[key] and p["b_simple"]]
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "-")
+        kappa = FRONTIER_KAPPA.get(name)
+        points = sum(len(r["points"]) for r in by[name])
+        lines.append(f"| {name} | {'-' if kappa is None else kappa} | {points} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", choices=sorted(base.SETTINGS), default="wide")
@@ -177,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="of them, those the Hessian is applied to (default 32)")
     p.add_argument("--hessian", type=int, default=4, help="microbatches whose mean loss's Hessian is used (default 4)")
     p.add_argument("--out", type=Path, required=True, help="a JSON file; runs of other settings in it are kept")
+    p.add_argument("--report", action="store_true", help="run nothing; print the table of --out's runs")
     args = p.parse_args(argv)
+    if args.report:
+        print(report(json.loads(args.out.read_text())["runs"]), end="")
+        return 0
     marks = [float(m) for m in args.marks.split(",")]
     if (not all(0 < m <= 1 for m in marks) or marks != sorted(marks) or args.microbatches < 2
             or not 1 <= args.deviations <= args.microbatches or args.hessian < 1):
