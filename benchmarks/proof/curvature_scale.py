@@ -41,7 +41,7 @@ from .step_ratio import save_run
 #: about the largest fixed ``kappa`` that keeps the loss on the frontier, by setting (as the group and Adam
 #: diagnostics read it; on tail ``kappa = 0.5``, the largest fixed one run there, and the rise to 1.2 kept it):
 #: what the ratio would have to follow if it were ``kappa``
-FRONTIER_KAPPA = {"wide": 0.2, "tall": 0.3, "full": 0.4, "heldout": 0.5, "prose": 1.0, "synth": 1.0, "tail": 0.5}
+FRONTIER_KAPPA = {"wide": 0.2, "wide_lr3": 0.2, "tall": 0.3, "full": 0.4, "heldout": 0.5, "prose": 1.0, "synth": 1.0, "tail": 0.5}
 
 
 def quadratic_forms(total: Any, square_sum: float, n: int, sample: Any, hvp: Any, scale: Any = None) -> dict[str, float]:
