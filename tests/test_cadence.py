@@ -263,14 +263,15 @@ def test_cadence_state_round_trips():
     assert fresh.session.cadence.state_dict() == tracker.session.cadence.state_dict()
 
 
-def _windows_measured(tracker, model, x, y, start, stop):
+def _windows_measured(tracker, model, x, y, start, stop, read=lambda record: record.measured):
+    """Windows ``start`` to ``stop`` of the linear model's run: ``read`` of each step's record."""
     out = []
     for s in range(start, stop):
         for k in range(ACC):
             i = (s * ACC + k) * MICRO
             with tracker.microbatch(size=MICRO):
                 (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
-        out.append(tracker.step().measured)
+        out.append(read(tracker.step()))
         model.zero_grad(set_to_none=True)
     return out
 
@@ -362,16 +363,8 @@ def test_the_records_of_a_resumed_runs_first_unmeasured_windows_show_the_control
                                  measure_every=4, estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=2))
 
     def conversions(tracker, model, start, stop):
-        out = []
-        for s in range(start, stop):
-            for k in range(ACC):
-                i = (s * ACC + k) * MICRO
-                with tracker.microbatch(size=MICRO):
-                    (0.5 * (model(x[i : i + MICRO]).squeeze(-1) - y[i : i + MICRO]).pow(2).mean() / ACC).backward()
-            record = tracker.step()
-            out.append((record.lr_conversions, record.critical_batch))
-            model.zero_grad(set_to_none=True)
-        return out
+        return _windows_measured(tracker, model, x, y, start, stop,
+                                 read=lambda record: (record.lr_conversions, record.critical_batch))
 
     model, whole = fresh()
     everything = conversions(whole, model, 0, steps)
