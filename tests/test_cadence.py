@@ -351,16 +351,18 @@ class _Converting:
 def test_the_records_of_a_resumed_runs_first_unmeasured_windows_show_the_controllers_conversions():
     """Resumed two windows after a measured one (``measure_every=4``): before its first decision the records show
     the conversions the controller made before the checkpoint and the critical batch it decided last, as the run
-    not interrupted shows them (they showed 0 and ``None``)."""
+    not interrupted shows them (they showed 0 and ``None``), also when loaded into a tracker that had decided on
+    (its own last decision is forgotten); a tracker without a controller shows no critical batch."""
     steps, save_at = 24, 14
     weight, x, y, _ = _data(steps)
 
-    def fresh():
+    def fresh(controller=_Converting):
         model = nn.Linear(D, 1, bias=False)
         with torch.no_grad():
             model.weight.copy_(weight[None])
-        return model, CBSTracker(model, accumulation_steps=ACC, unit="samples", controller=_Converting(),
-                                 measure_every=4, estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=2))
+        return model, CBSTracker(model, accumulation_steps=ACC, unit="samples",
+                                 controller=None if controller is None else controller(), measure_every=4,
+                                 estimator=NoiseScaleEstimator(horizon_steps=1e9, min_steps=2))
 
     def conversions(tracker, model, start, stop):
         return _windows_measured(tracker, model, x, y, start, stop,
@@ -376,6 +378,15 @@ def test_the_records_of_a_resumed_runs_first_unmeasured_windows_show_the_control
     model, resumed = fresh()
     resumed.load_state_dict(tracker.state_dict())
     assert conversions(resumed, model, save_at, steps) == everything[save_at:]
+    model, ahead = fresh()
+    conversions(ahead, model, 0, 21)  # decided at window 20
+    model.weight.data.copy_(weight[None])
+    ahead.load_state_dict(tracker.state_dict())
+    assert conversions(ahead, model, save_at, steps)[:2] == everything[save_at:save_at + 2]
+    model, plain = fresh(controller=None)
+    plain.load_state_dict(tracker.state_dict())
+    assert [b for _, b in conversions(plain, model, save_at, steps)] == [None] * (steps - save_at)
+    assert "critical_batch" in tracker.state_dict() and "critical_batch" not in plain.state_dict()
 
 
 @pytest.mark.parametrize("kwargs, match", [

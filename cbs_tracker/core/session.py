@@ -625,6 +625,8 @@ class TrackingSession:
     def _last_critical(self) -> float | None:
         """The critical batch a window not measured's record shows: the last decision's, or before this process's
         first decision (a resume whose first windows are not measured) the one the saved run decided last."""
+        if self.controller is None:
+            return None
         if self.last_decision is not None:
             return getattr(self.last_decision, "critical_batch", None)
         return self._resumed_critical
