@@ -93,14 +93,14 @@ def test_the_diagnostic_measures_the_tiny_setting_at_its_marks(tmp_path):
 
 
 def test_the_report_takes_the_median_and_range_of_each_settings_ratios_in_the_order_of_their_kappa():
-    """Three points on prose (ratios 0.2, 0.9, 0.4; a fourth without a ``B_noise`` counts for the Adam column only)
-    and one on wide: a row each, wide (``kappa`` 0.2) first."""
-    def point(simple, noise, adam):
-        return {"b_simple": simple, "b_noise": noise, "b_adam_noise": adam}
+    """Three points on prose (``B_noise`` ratios 0.2, 0.9, 0.4; a fourth with a negative ``B_noise`` counts for the
+    Adam columns only) and one on wide: a row each, wide (``kappa`` 0.2) first."""
+    def point(simple, noise, adam, adam_next):
+        return {"b_simple": simple, "b_noise": noise, "b_adam_noise": adam, "b_adam_next_noise": adam_next}
 
-    runs = [{"setting": "prose", "points": [point(1000, 200, 500), point(1000, 900, 300)]},
-            {"setting": "prose", "points": [point(500, 200, 250), point(800, None, 400)]},
-            {"setting": "wide", "points": [point(2000, 1000, 600)]}]
+    runs = [{"setting": "prose", "points": [point(1000, 200, 500, 100), point(1000, 900, 300, None)]},
+            {"setting": "prose", "points": [point(500, 200, 250, 400), point(800, -50, 400, 800)]},
+            {"setting": "wide", "points": [point(2000, 1000, 600, 300)]}]
     rows = cs.report(runs).splitlines()[2:]
-    assert rows == ["| wide | 0.2 | 1 | 0.50 (0.50–0.50) | 0.30 (0.30–0.30) |",
-                    "| prose | 1.0 | 4 | 0.40 (0.20–0.90) | 0.50 (0.30–0.50) |"]
+    assert rows == ["| wide | 0.2 | 1 | 0.50 (0.50–0.50) | 0.30 (0.30–0.30) | 0.15 (0.15–0.15) |",
+                    "| prose | 1.0 | 4 | 0.40 (0.20–0.90) | 0.50 (0.30–0.50) | 0.80 (0.10–1.00) |"]

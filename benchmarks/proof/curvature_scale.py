@@ -94,38 +94,47 @@ def hessian_vector_product(model: Any, params: list[Any], batches: list[tuple[An
 
 
 def measure_at(model: Any, optimizer: Any, stream: Any, micro: int, micro_tokens: float, microbatches: int,
-               deviations: int, hessian: int) -> dict[str, Any]:
+               deviations: int, hessian: int, per_step: int) -> dict[str, Any]:
     """Both noise scales, plain and through Adam's preconditioner, at the model's current weights (``micro``
-    sequences, ``micro_tokens`` tokens, a microbatch): ``microbatches`` gradients for the mean and the trace, the
-    Hessian of ``hessian`` other microbatches applied to the first ``deviations`` of them."""
+    sequences, ``micro_tokens`` tokens, a microbatch; ``per_step`` microbatches a step): ``microbatches``
+    gradients for the mean and the trace, the Hessian of ``hessian`` other microbatches applied to the first
+    ``deviations`` of them."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
     group = optimizer.param_groups[0]
     beta2, eps = group["betas"][1], group["eps"]
-    second = []
+    stored, steps = [], []
     for p in params:
         state = optimizer.state[p]
-        v = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
-        second.append((1.0 / (v.sqrt() + eps)).reshape(-1))
-    scale = torch.cat(second).double()
-    total, squares, scaled_squares, sample = None, 0.0, 0.0, []
+        stored.append(state["exp_avg_sq"].reshape(-1))
+        steps.append(float(state["step"]))
+    v = torch.cat(stored).double()
+    total, squares, sample = None, None, []
     for i in range(microbatches):
         x, y = stream.next_batch(micro)
         g = _flat(torch.autograd.grad(model(x, y)[1], params)).double()
         total = g.clone() if total is None else total.add_(g)
-        squares += float(g @ g)
-        scaled_squares += float((g * scale).pow(2).sum())
+        squares = g * g if squares is None else squares.add_(g * g)
         if i < deviations:
             sample.append(g)
     rows = torch.stack(sample)
+    mean = total / microbatches
+    spread = (squares - microbatches * mean * mean) / (microbatches - 1)  # each coordinate's variance
+    step = steps[0]
+    # P as the optimizer holds it (the library's preconditioned measure), and as the next step would use it: its
+    # second moments updated with a step's expected squared gradient (a step: ``per_step`` microbatches)
+    scales = {"adam": 1.0 / ((v / (1 - beta2 ** step)).sqrt() + eps),
+              "adam_next": 1.0 / (((beta2 * v + (1 - beta2) * (mean * mean + spread / per_step))
+                                   / (1 - beta2 ** (step + 1))).sqrt() + eps)}
     hvp = hessian_vector_product(model, params, [stream.next_batch(micro) for _ in range(hessian)])
-    plain = quadratic_forms(total, squares, microbatches, rows, hvp)
-    adam = quadratic_forms(total, scaled_squares, microbatches, rows, hvp, scale)
-    b_simple, b_noise = noise_scales(plain, micro_tokens)
-    b_adam_simple, b_adam = noise_scales(adam, micro_tokens)
-    return {"b_simple": b_simple, "b_noise": b_noise, "b_adam_simple": b_adam_simple, "b_adam_noise": b_adam,
-            "forms": plain, "adam_forms": adam}
+    forms = {"plain": quadratic_forms(total, float(squares.sum()), microbatches, rows, hvp)}
+    for name, scale in scales.items():
+        forms[name] = quadratic_forms(total, float((scale * scale * squares).sum()), microbatches, rows, hvp, scale)
+    out: dict[str, Any] = {"forms": forms}
+    for name, key in (("plain", ""), ("adam", "adam_"), ("adam_next", "adam_next_")):
+        out[f"b_{key}simple"], out[f"b_{key}noise"] = noise_scales(forms[name], micro_tokens)
+    return out
 
 
 def measure(setting: base.Setting, seed: int, marks: list[float], microbatches: int, deviations: int,
@@ -154,15 +163,23 @@ def measure(setting: base.Setting, seed: int, marks: list[float], microbatches: 
             scheduler.step()
             tokens += start
         optimizer.zero_grad(set_to_none=True)
-        point = measure_at(model, optimizer, probe, micro, b, microbatches, deviations, hessian)
+        point = measure_at(model, optimizer, probe, micro, b, microbatches, deviations, hessian, per_window)
         point.update(mark=mark, tokens=tokens)
         points.append(point)
-        ratio = None if not (point["b_noise"] and point["b_simple"]) else point["b_noise"] / point["b_simple"]
-        adam = None if not (point["b_adam_noise"] and point["b_simple"]) else point["b_adam_noise"] / point["b_simple"]
-        print(f"{setting.name} seed {seed} at {mark:.2f} ({tokens:,.0f} tokens): B_simple {_fmt(point['b_simple'])}, "
-              f"B_noise {_fmt(point['b_noise'])} (x{_fmt(ratio, '.2f')}), B_adam {_fmt(point['b_adam_noise'])} "
-              f"(x{_fmt(adam, '.2f')} B_simple)", flush=True)
+        ratios = {key: _ratio(point, key) for key in RATIOS}
+        print(f"{setting.name} seed {seed} at {mark:.2f} ({tokens:,.0f} tokens): B_simple {_fmt(point['b_simple'])}; "
+              + ", ".join(f"{label} x{_fmt(ratios[key], '.2f')}" for key, label in RATIOS.items()), flush=True)
     return {"seed": seed, "microbatch_tokens": b, "start_tokens": start, "points": points}
+
+
+#: the ratios to ``B_simple`` reported, by the key of their noise scale
+RATIOS = {"b_noise": "B_noise", "b_adam_noise": "B_adam (stored v)", "b_adam_next_noise": "B_adam (next step's v)"}
+
+
+def _ratio(point: dict[str, Any], key: str) -> float | None:
+    """``point[key] / B_simple`` where both are positive (a negative form has no noise scale), else ``None``."""
+    top, bottom = point.get(key), point.get("b_simple")
+    return top / bottom if top is not None and bottom is not None and top > 0 and bottom > 0 else None
 
 
 def _fmt(value: float | None, spec: str = ",.0f") -> str:
@@ -171,20 +188,21 @@ def _fmt(value: float | None, spec: str = ",.0f") -> str:
 
 def report(runs: list[dict[str, Any]]) -> str:
     """A markdown row per setting: the frontier's ``kappa`` and, over its seeds and marks, the median and range of
-    ``B_noise / B_simple`` and ``B_adam / B_simple``, each from the points where both of its noise scales are."""
+    each ratio of :data:`RATIOS`, each from the points where both of its noise scales are positive."""
     by: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         by.setdefault(r["setting"], []).append(r)
-    lines = ["| setting | frontier's kappa | seeds x marks | B_noise / B_simple: median (range) | "
-             "B_adam / B_simple: median (range) |", "|---|---|---|---|---|"]
+    lines = ["| setting | frontier's kappa | seeds x marks | "
+             + " | ".join(f"{label} / B_simple: median (range)" for label in RATIOS.values()) + " |",
+             "|---|---|---|" + "---|" * len(RATIOS)]
     for name in sorted(by, key=lambda n: FRONTIER_KAPPA.get(n, math.inf)):
         cells = []
-        for key in ("b_noise", "b_adam_noise"):
-            ratios = [p[key] / p["b_simple"] for r in by[name] for p in r["points"] if p[key] and p["b_simple"]]
+        for key in RATIOS:
+            ratios = [v for r in by[name] for p in r["points"] if (v := _ratio(p, key)) is not None]
             cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "-")
         kappa = FRONTIER_KAPPA.get(name)
         points = sum(len(r["points"]) for r in by[name])
-        lines.append(f"| {name} | {'-' if kappa is None else kappa} | {points} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {name} | {'-' if kappa is None else kappa} | {points} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     setting = base.SETTINGS[args.setting]
     run = measure(setting, args.seed, marks, args.microbatches, args.deviations, args.hessian)
     result = {"setting": setting.name, "setting_key": setting.key(), "seed": args.seed, "lr_schedule": "cosine",
-              "library_commit": base._library_commit(), "frontier_kappa": FRONTIER_KAPPA.get(setting.name), **run}
+              "library_commit": base._library_commit(), "frontier_kappa": FRONTIER_KAPPA.get(setting.name),
+              "microbatches": args.microbatches, "deviations": args.deviations, "hessian": args.hessian, **run}
     save_run(args.out, result)
     return 0
 
