@@ -49,9 +49,12 @@ def quadratic_forms(total: Any, square_sum: float, n: int, sample: Any, hvp: Any
     ``total`` their sum, ``square_sum`` the sum of their squared norms, ``sample`` (``k x dim``) ``k`` of them,
     whose deviations from the mean the Hessian is applied to (``hvp``: ``v -> H v``). With ``scale`` (``dim``) every
     gradient is first multiplied by it (``P g``: the preconditioned forms; ``square_sum`` is then of ``P g``)."""
+    from cbs_tracker.core.estimator import estimate_from_norms
+
     mean = total / n if scale is None else total * scale / n
-    trace = (square_sum - n * float(mean @ mean)) / (n - 1)
-    sq = float(mean @ mean) - trace / n
+    # the tracker's own estimator: the mean squared norm at one microbatch against the squared norm at n of them
+    est = estimate_from_norms(square_sum / n, float(mean @ mean), 1.0, float(n))
+    trace, sq = est.trace_cov, est.grad_sq_norm
     dev = (sample if scale is None else sample * scale) - mean
     # a sampled gradient is one of the n in the mean: E[d^T H d] = tr(H Sigma_b) (1 - 1/n)
     h_trace = sum(float(d @ hvp(d)) for d in dev) / len(dev) / (1 - 1 / n)
@@ -104,12 +107,8 @@ def measure_at(model: Any, optimizer: Any, stream: Any, micro: int, micro_tokens
     params = [p for p in model.parameters() if p.requires_grad]
     group = optimizer.param_groups[0]
     beta2, eps = group["betas"][1], group["eps"]
-    stored, steps = [], []
-    for p in params:
-        state = optimizer.state[p]
-        stored.append(state["exp_avg_sq"].reshape(-1))
-        steps.append(float(state["step"]))
-    v = torch.cat(stored).double()
+    v = torch.cat([optimizer.state[p]["exp_avg_sq"].reshape(-1) for p in params]).double()
+    step = float(optimizer.state[params[0]]["step"])  # one optimizer: every parameter has taken the same steps
     total, squares, sample = None, None, []
     for i in range(microbatches):
         x, y = stream.next_batch(micro)
@@ -121,7 +120,6 @@ def measure_at(model: Any, optimizer: Any, stream: Any, micro: int, micro_tokens
     rows = torch.stack(sample)
     mean = total / microbatches
     spread = (squares - microbatches * mean * mean) / (microbatches - 1)  # each coordinate's variance
-    step = steps[0]
     # P as the optimizer holds it (the library's preconditioned measure), and as the next step would use it: its
     # second moments updated with a step's expected squared gradient (a step: ``per_step`` microbatches)
     scales = {"adam": 1.0 / ((v / (1 - beta2 ** step)).sqrt() + eps),
