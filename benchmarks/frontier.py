@@ -312,6 +312,63 @@ def update_results_table(pts: list[dict[str, Any]], path: Path = RESULTS) -> Non
     path.write_text(text)
 
 
+#: the library's plateau option as the frontier runs it (``BatchSizeController(hold_on_plateau=0.15)``)
+PLATEAU_RULE = "library:hold_on_plateau=0.15"
+#: the README's name for each setting, and what was chosen on it (the default's ``κ``, its ``convert_until``,
+#: the plateau option's threshold and quarter); the others only judged
+README_SETTINGS = {
+    "full": ("proof GPT: 2 layers × 128, code", "`κ`, limit, plateau"),
+    "prose": ("3 × 96, English prose", "`κ`, limit, plateau"),
+    "synth": ("4 × 64, a synthetic language", "limit, plateau"),
+    "heldout": ("3 × 80, code", "limit, plateau"),
+    "wide": ("2 × 112, prose", "plateau"),
+    "wide_lr3": ("the same at twice its LR", "plateau"),
+    "tall": ("6 × 64, code, context 64", "plateau"),
+    "long": ("4 × 80, prose, context 128", "plateau"),
+    "narrow": ("3 × 48, prose, LR 4e-3", "nothing"),
+    "tail": ("1 × 32, prose, 190 tokens per parameter", "nothing"),
+}
+README_MARK = "<!-- frontier-readme -->\n"
+
+
+def _cell(p: dict[str, Any] | None) -> str:
+    """A point as the README's table gives it: mean (upper end), steps saved; bold where it loses the loss."""
+    if p is None:
+        return ""
+    text = f"{p['delta_mean']:+.3f} ({p['delta_upper90']:+.3f})".replace("-", "−")
+    return f"{'**' + text + '**' if p['delta_upper90'] > KEEPS_THE_LOSS else text}, {p['steps_saved']:.0%}"
+
+
+def keeps(p: dict[str, Any]) -> bool:
+    """A point of four seeds or more whose upper end is within :data:`KEEPS_THE_LOSS`."""
+    return len(p["seeds"]) >= 4 and p["delta_upper90"] is not None and p["delta_upper90"] <= KEEPS_THE_LOSS
+
+
+def readme_table(pts: list[dict[str, Any]]) -> str:
+    """The README's table: per setting, the default and the plateau option under cosine and WSD, and the most
+    steps any rule of four seeds or more saved there with the loss kept."""
+    by = {(p["setting"], p["schedule"], p["rule"]): p for p in pts}
+    lines = ["| GPT (layers × width, data) | chose | default, cosine | default, WSD | `hold_on_plateau=0.15`, cosine "
+             "| `hold_on_plateau=0.15`, WSD | most saved, loss kept: cosine / WSD |", "|---|---|---|---|---|---|---|"]
+    for setting, (name, chose) in README_SETTINGS.items():
+        best = []
+        for sch in ("cosine", "wsd"):
+            kept = [p["steps_saved"] for p in pts if (p["setting"], p["schedule"]) == (setting, sch) and keeps(p)]
+            best.append(f"{max(kept):.0%}" if kept else "none")
+        cells = [_cell(by.get((setting, sch, rule))) for rule in (DEFAULT_RULE, PLATEAU_RULE) for sch in ("cosine", "wsd")]
+        lines.append(f"| {name} | {chose} | " + " | ".join(cells) + f" | {best[0]} / {best[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme_table(pts: list[dict[str, Any]], path: Path = ROOT / "README.md") -> None:
+    """Replace the table after ``README_MARK`` in the README (up to the next blank line) with ``pts``'."""
+    text = path.read_text()
+    if README_MARK in text:
+        head, rest = text.split(README_MARK, 1)
+        tail = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
+        path.write_text(head + README_MARK + readme_table(pts) + "\n" + tail)
+
+
 KAPPA_MARK = "<!-- kappa-table -->\n"
 #: a rule "keeps the loss" when the upper end of its paired 90% interval is at most this (nats)
 KEEPS_THE_LOSS = 0.005
@@ -390,6 +447,7 @@ def report(doc: dict[str, Any], path: Path = DOC, picture: Path | None = PICTURE
     print(table(doc["points"]))
     if path == DOC:
         update_results_table(doc["points"])
+        update_readme_table(doc["points"])
     if picture is not None and doc["points"]:
         draw(doc["points"], picture)
 
