@@ -6,7 +6,7 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Ten settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Eleven settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
 minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes), ``synth`` (4 layers x 64,
@@ -20,8 +20,8 @@ from 192-token batches, about 1.5 minutes, run only after a candidate was chosen
 LR 2e-3, the docstrings, 1M tokens from 256-token batches, defined before any run of the loss-slope rule on it)
 and ``narrow`` (3 layers x 48, context 80, peak LR 4e-3, the docstrings, 1M tokens from 160-token batches, defined
 before any run of the plateau rule) and ``tail`` (1 layer x 32, context 32, peak LR 3e-3, the docstrings, 4M tokens
-from 256-token batches, 190 per parameter, defined after every rule); the first two chose the default, the others
-only judge.
+from 256-token batches, 190 per parameter, defined after every rule) and ``tail_long`` (``tail`` on 8M tokens, 380
+per parameter, defined after every rule); what was tuned on which is ``README_SETTINGS``.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -120,9 +120,9 @@ RULES = {
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
-#: panels left to right: the two settings that chose the default, then the eight that only judged it
+#: panels left to right: the two settings that chose the default's `κ`, then the nine that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
-                 "tail": 9}
+                 "tail": 9, "tail_long": 10}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom
@@ -314,27 +314,36 @@ def update_results_table(pts: list[dict[str, Any]], path: Path = RESULTS) -> Non
 
 #: the library's plateau option as the frontier runs it (``BatchSizeController(hold_on_plateau=0.15)``)
 PLATEAU_RULE = "library:hold_on_plateau=0.15"
-#: the README's name for each setting, and what was chosen on it (the default's ``κ``, its ``convert_until``,
-#: the plateau option's threshold and quarter); the others only judged
+#: the README's name for each setting, and what was tuned on it: the default's ``κ`` (under cosine) and its limit
+#: ``convert_until=0.85``, the plateau option's threshold and quarter; a setting without a choice judged it
 README_SETTINGS = {
-    "full": ("proof GPT: 2 layers × 128, code", "`κ`, limit, plateau"),
-    "prose": ("3 × 96, English prose", "`κ`, limit, plateau"),
-    "synth": ("4 × 64, a synthetic language", "limit, plateau"),
-    "heldout": ("3 × 80, code", "limit, plateau"),
-    "wide": ("2 × 112, prose", "plateau"),
-    "wide_lr3": ("the same at twice its LR", "plateau"),
-    "tall": ("6 × 64, code, context 64", "plateau"),
-    "long": ("4 × 80, prose, context 128", "plateau"),
-    "narrow": ("3 × 48, prose, LR 4e-3", "nothing"),
-    "tail": ("1 × 32, prose, 190 tokens per parameter", "nothing"),
+    "full": ("proof GPT: 2 layers × 128, code", ("`κ`", "limit", "plateau")),
+    "prose": ("3 × 96, English prose", ("`κ`", "limit", "plateau")),
+    "synth": ("4 × 64, a synthetic language", ("limit", "plateau")),
+    "heldout": ("3 × 80, code", ("limit", "plateau")),
+    "wide": ("2 × 112, prose", ("plateau",)),
+    "wide_lr3": ("the same at twice its LR", ("plateau",)),
+    "tall": ("6 × 64, code, context 64", ("plateau",)),
+    "long": ("4 × 80, prose, context 128", ("plateau",)),
+    "narrow": ("3 × 48, prose, LR 4e-3", ()),
+    "tail": ("1 × 32, prose, 190 tokens per parameter", ()),
+    "tail_long": ("the same on twice the tokens, 380 per parameter", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
+
+
+def held_out(setting: str, rule: str) -> bool:
+    """Whether nothing of ``rule`` (the default or the plateau option) was tuned on ``setting``."""
+    tuned = README_SETTINGS[setting][1]
+    return "plateau" not in tuned if rule == PLATEAU_RULE else not {"`κ`", "limit"} & set(tuned)
 
 
 def _cell(p: dict[str, Any] | None) -> str:
     """A point as the README's table gives it: mean (upper end), steps saved; bold where it loses the loss."""
     if p is None:
         return ""
+    if p["steps_saved_range"] == [0.0, 0.0] and not any(p["deltas"]):
+        return "never grew"
     text = f"{p['delta_mean']:+.3f} ({p['delta_upper90']:+.3f})".replace("-", "−")
     return f"{'**' + text + '**' if p['delta_upper90'] > KEEPS_THE_LOSS else text}, {p['steps_saved']:.0%}"
 
@@ -348,15 +357,16 @@ def readme_table(pts: list[dict[str, Any]]) -> str:
     """The README's table: per setting, the default and the plateau option under cosine and WSD, and the most
     steps any rule of four seeds or more saved there with the loss kept."""
     by = {(p["setting"], p["schedule"], p["rule"]): p for p in pts}
-    lines = ["| GPT (layers × width, data) | chose | default, cosine | default, WSD | `hold_on_plateau=0.15`, cosine "
-             "| `hold_on_plateau=0.15`, WSD | most saved, loss kept: cosine / WSD |", "|---|---|---|---|---|---|---|"]
-    for setting, (name, chose) in README_SETTINGS.items():
+    lines = ["| GPT (layers × width, data) | tuned on it | default, cosine | default, WSD | "
+             "`hold_on_plateau=0.15`, cosine | `hold_on_plateau=0.15`, WSD | best any rule, in hindsight: cosine / WSD |",
+             "|---|---|---|---|---|---|---|"]
+    for setting, (name, tuned) in README_SETTINGS.items():
         best = []
         for sch in ("cosine", "wsd"):
             kept = [p["steps_saved"] for p in pts if (p["setting"], p["schedule"]) == (setting, sch) and keeps(p)]
             best.append(f"{max(kept):.0%}" if kept else "none")
         cells = [_cell(by.get((setting, sch, rule))) for rule in (DEFAULT_RULE, PLATEAU_RULE) for sch in ("cosine", "wsd")]
-        lines.append(f"| {name} | {chose} | " + " | ".join(cells) + f" | {best[0]} / {best[1]} |")
+        lines.append(f"| {name} | {', '.join(tuned) or '—'} | " + " | ".join(cells) + f" | {best[0]} / {best[1]} |")
     return "\n".join(lines) + "\n"
 
 
