@@ -6,7 +6,7 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Eleven settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Twelve settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
 minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes), ``synth`` (4 layers x 64,
@@ -21,7 +21,8 @@ LR 2e-3, the docstrings, 1M tokens from 256-token batches, defined before any ru
 and ``narrow`` (3 layers x 48, context 80, peak LR 4e-3, the docstrings, 1M tokens from 160-token batches, defined
 before any run of the plateau rule) and ``tail`` (1 layer x 32, context 32, peak LR 3e-3, the docstrings, 4M tokens
 from 256-token batches, 190 per parameter, defined after every rule) and ``tail_long`` (``tail`` on 8M tokens, 380
-per parameter, defined after every rule); what was tuned on which is ``README_SETTINGS``.
+per parameter, defined after every rule) and ``tail_code`` (1 layer x 48, the code corpus, 8M tokens, 200 per
+parameter, defined after ``tail_long``'s runs); what was tuned on which is ``README_SETTINGS``.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -120,9 +121,9 @@ RULES = {
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
-#: panels left to right: the two settings that chose the default's `κ`, then the nine that only judged it
+#: panels left to right: the two settings that chose the default's `κ`, then the ten that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
-                 "tail": 9, "tail_long": 10}
+                 "tail": 9, "tail_long": 10, "tail_code": 11}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom
@@ -328,6 +329,7 @@ README_SETTINGS = {
     "narrow": ("3 × 48, prose, LR 4e-3", ()),
     "tail": ("1 × 32, prose, 190 tokens per parameter", ()),
     "tail_long": ("the same on twice the tokens, 380 per parameter", ()),
+    "tail_code": ("1 × 48, code, 200 tokens per parameter", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
 

@@ -288,12 +288,18 @@ TAIL = replace(QUICK, name="tail", budget_tokens=4 * 2**20, lr=3e-3, warmup_toke
 #: 0.04-0.16 at half, so a run twice as long reads its quarter where ``hold_on_plateau=0.15`` may hold.
 TAIL_LONG = replace(TAIL, name="tail_long", budget_tokens=8 * 2**20)
 
+#: A twelfth setting, held out: another GPT long for its size, to see whether ``tail_long``'s result (the plateau
+#: option held every seed, where growth ended 0.02-0.07 nats below the constant) is that model's or the option's:
+#: 1 layer x 48 on the code corpus (about 40k parameters, about 200 tokens each, 8M tokens from 256-token batches),
+#: defined after ``tail_long``'s runs and before any of its own. Expected: held under WSD, likely under cosine.
+TAIL_CODE = replace(TAIL, name="tail_code", budget_tokens=8 * 2**20, d_model=48, corpus="code")
+
 #: A seconds-long setting whose starting batch is the constant 512 of the frontier's runs (tests).
 TINY = replace(QUICK, name="tiny", budget_tokens=65_536, tracker_start_tokens=512, constants=(512,),
                ramp=((1024, 0.5), (2048, 0.5)))
 
 SETTINGS = {s.name: s for s in (FULL, QUICK, PROSE, SYNTH, HELDOUT, WIDE, WIDE_LR, TALL, LONG, NARROW, TAIL, TAIL_LONG,
-                                       TINY)}
+                                       TAIL_CODE, TINY)}
 
 
 def load_setting_corpus(setting: Setting) -> Any:
