@@ -305,12 +305,17 @@ def update_results_table(pts: list[dict[str, Any]], path: Path = RESULTS) -> Non
     blank line) with ``pts``' and the calibrations'."""
     text = path.read_text()
     for mark, body in ((TABLE_MARK, table(pts)), (KAPPA_MARK, kappa_table(pts))):
-        if mark not in text:
-            continue
-        head, rest = text.split(mark, 1)
-        tail = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
-        text = head + mark + body + "\n" + tail
+        text = _replace_after(text, mark, body)
     path.write_text(text)
+
+
+def _replace_after(text: str, mark: str, body: str) -> str:
+    """``text`` with what follows ``mark`` up to the next blank line replaced by ``body`` (unchanged without it)."""
+    if mark not in text:
+        return text
+    head, rest = text.split(mark, 1)
+    tail = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
+    return head + mark + body + "\n" + tail
 
 
 #: the library's plateau option as the frontier runs it (``BatchSizeController(hold_on_plateau=0.15)``)
@@ -374,11 +379,7 @@ def readme_table(pts: list[dict[str, Any]]) -> str:
 
 def update_readme_table(pts: list[dict[str, Any]], path: Path = ROOT / "README.md") -> None:
     """Replace the table after ``README_MARK`` in the README (up to the next blank line) with ``pts``'."""
-    text = path.read_text()
-    if README_MARK in text:
-        head, rest = text.split(README_MARK, 1)
-        tail = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
-        path.write_text(head + README_MARK + readme_table(pts) + "\n" + tail)
+    path.write_text(_replace_after(path.read_text(), README_MARK, readme_table(pts)))
 
 
 KAPPA_MARK = "<!-- kappa-table -->\n"

@@ -569,3 +569,27 @@ def test_a_plateau_rule_with_an_exit_grows_from_where_the_loss_leaves_its_platea
     assert named.plateau_exit_above == 0.3 and named.plateau_exit is None and named._kappa_at(1.0) == 0.0
     with pytest.raises(ValueError, match=r"exit=0.1.*below=0.15"):
         rule(0.1)
+
+
+def test_the_readme_table_bolds_a_lost_loss_names_a_run_that_never_grew_and_takes_the_best_of_four_seeds(frontier,
+                                                                                                         monkeypatch):
+    """One setting, hand-made runs against a constant of 2.0 nats and 1,000 steps: the default loses the loss under
+    cosine (bold) and keeps it under WSD; the plateau option is the constant run under cosine and grew on one seed
+    under WSD; the best kept saving is ``kappa0.5``'s 70%, not the 80% of a rule run on two seeds only."""
+    monkeypatch.setattr(frontier, "README_SETTINGS", {"full": ("proof GPT", ("`κ`",))})
+    runs = []
+    for sch in ("cosine", "wsd"):
+        runs += [_run("constant", s, 2.0, 1000, setting="full", lr_schedule=sch) for s in range(4)]
+    rows = [(frontier.DEFAULT_RULE, "cosine", (0.02, 0.021, 0.019, 0.02), (400,) * 4),
+            (frontier.DEFAULT_RULE, "wsd", (-0.01, -0.011, -0.009, -0.01), (500,) * 4),
+            (frontier.PLATEAU_RULE, "cosine", (0.0,) * 4, (1000,) * 4),
+            (frontier.PLATEAU_RULE, "wsd", (-0.012, 0.0, 0.0, 0.0), (800, 1000, 1000, 1000)),
+            ("kappa0.5", "cosine", (-0.005,) * 4, (300,) * 4),
+            ("kappa0.7", "cosine", (-0.01, -0.01), (200, 200))]
+    for rule, sch, deltas, steps in rows:
+        runs += [_run(rule, s, 2.0 + d, n, setting="full", lr_schedule=sch) for s, (d, n) in enumerate(zip(deltas, steps))]
+    lines = frontier.readme_table(frontier.points(runs)).splitlines()
+    assert len(lines) == 3
+    # cosine: mean +0.020, sd 0.00082, upper end +0.020 + 2.353 x 0.00041; WSD plateau: mean -0.003, sd 0.006
+    assert lines[2] == ("| proof GPT | `κ` | **+0.020 (+0.021)**, 60% | −0.010 (−0.009), 50% | never grew | "
+                        "−0.003 (+0.004), 5% | 70% / 50% |")

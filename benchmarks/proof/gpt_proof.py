@@ -299,7 +299,7 @@ TINY = replace(QUICK, name="tiny", budget_tokens=65_536, tracker_start_tokens=51
                ramp=((1024, 0.5), (2048, 0.5)))
 
 SETTINGS = {s.name: s for s in (FULL, QUICK, PROSE, SYNTH, HELDOUT, WIDE, WIDE_LR, TALL, LONG, NARROW, TAIL, TAIL_LONG,
-                                       TAIL_CODE, TINY)}
+                                TAIL_CODE, TINY)}
 
 
 def load_setting_corpus(setting: Setting) -> Any:
