@@ -116,6 +116,7 @@ RULES = {
     "kappa0.4+convert-until0.85+plateau0.15@0.31": "tracker_kappa04_convert_until085_plateau15_at31",
     "kappa0.4+convert-until0.85+plateau0.15+exit0.3": "tracker_kappa04_convert_until085_plateau15_exit30",
     "library:hold_on_plateau=0.15": "tracker_library_plateau15",
+    "library:hold_on_plateau=0.15+tpp20": "tracker_library_plateau15_tpp20",
     "kappa0.4-1.2+convert+plateau0.15": "tracker_kappa04_12_convert_plateau15",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
@@ -123,7 +124,7 @@ SCHEDULE_OF = {v: k for k, v in RULES.items()}
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
 #: panels left to right: the two settings that chose the default's `κ`, then the ten that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
-                 "tail": 9, "tail_long": 10, "tail_code": 11}
+                 "tail": 9, "tail_long": 10, "tail_code": 11, "tail_synth": 12}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom

@@ -104,6 +104,29 @@ def test_the_library_decides_as_the_frontiers_prototype_step_for_step(proof_lr, 
         assert bool(ours[0]) == (exit is not None)
 
 
+@pytest.mark.parametrize("parameters, grows", [(5_000, True), (10_000, False)], ids=["30-per-param", "15-per-param"])
+def test_the_size_gate_lets_a_run_past_20_tokens_per_parameter_grow_where_the_option_holds_it(proof_lr, parameters,
+                                                                                              grows):
+    """``plateau_gated_by_size`` (the frontier's ``library:hold_on_plateau=0.15+tpp20``) on the flat loss, whose
+    verdict holds: the verdict comes at a quarter of the run, 153,600 tokens, 30.7 tokens per parameter of a
+    5,000-parameter model and 15.4 of a 10,000-parameter one. Past 20 the run decides as the option does on the steep
+    loss, whose verdict lets the rule grow (the same doublings at the same steps: past the verdict only the noise
+    scale decides); below it, it holds as the option does."""
+    gated = proof_lr.plateau_gated_by_size(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15),
+                                           parameters=parameters, tokens_per_parameter=20)
+    ours = feed(gated, flat)
+    if grows:
+        assert ours == feed(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15), steep)
+        assert ours[0] and ours[0][0] * MICRO >= 0.25 * TOTAL
+        assert gated.plateau.held is False and gated.plateau.gated == pytest.approx(0.25 * TOTAL / parameters,
+                                                                                   rel=0.01)
+    else:
+        assert ours == ([], 0) and gated.plateau.held is True and gated.plateau.gated is None
+    assert gated.plateau.verdict_slope == pytest.approx(0.1, rel=1e-6)
+    with pytest.raises(ValueError, match=r"parameters=0, tokens_per_parameter=20\): both must be > 0"):
+        proof_lr.plateau_gated_by_size(BatchSizeController(hold_on_plateau=0.15), parameters=0, tokens_per_parameter=20)
+
+
 def test_a_resumed_controller_decides_as_the_uninterrupted_one():
     """Saved before the verdict (its loss points in the state) and after it, loaded into a fresh controller:
     the rest of the run changes the batch at the same steps."""

@@ -294,12 +294,34 @@ TAIL_LONG = replace(TAIL, name="tail_long", budget_tokens=8 * 2**20)
 #: defined after ``tail_long``'s runs and before any of its own. Expected: held under WSD, likely under cosine.
 TAIL_CODE = replace(TAIL, name="tail_code", budget_tokens=8 * 2**20, d_model=48, corpus="code")
 
+#: A thirteenth setting, held out: defined before any of its runs to judge the plateau option gated by tokens per
+#: parameter (``tracker_library_plateau15_tpp20`` in ``gpt_proof_lr``: the option's hold applies only while the run
+#: has seen fewer than 20 tokens per parameter at its verdict; the 20 is Chinchilla's compute-optimal ratio, chosen
+#: before this setting's runs, not fitted). A GPT long for its size on data none of the other long runs used: 2
+#: layers x 32 on the synthetic word-chain language (about 35k parameters, 4.2M tokens, about 120 per parameter, 30
+#: at a quarter of the run), context 32, peak LR 3e-3, 256-token batches. Its constant run (cosine, seed 0) is probed
+#: first: the gate judges something only if the loss falls slower than the option's 0.15 nats per e-fold there.
+TAIL_SYNTH = replace(TAIL, name="tail_synth", n_layer=2, corpus="synth")
+
 #: A seconds-long setting whose starting batch is the constant 512 of the frontier's runs (tests).
 TINY = replace(QUICK, name="tiny", budget_tokens=65_536, tracker_start_tokens=512, constants=(512,),
                ramp=((1024, 0.5), (2048, 0.5)))
 
 SETTINGS = {s.name: s for s in (FULL, QUICK, PROSE, SYNTH, HELDOUT, WIDE, WIDE_LR, TALL, LONG, NARROW, TAIL, TAIL_LONG,
-                                TAIL_CODE, TINY)}
+                                TAIL_CODE, TAIL_SYNTH, TINY)}
+
+
+def parameter_count(setting: Setting) -> int:
+    """The parameters of a setting's GPT (all of them, the embeddings included, each shared one once), counted on a
+    model built without drawing from torch's random generator (a run's weights stay those of its seed)."""
+    import torch
+
+    from cbs_tracker.demo.gpt import GPT, GPTConfig
+
+    config = GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
+                       n_head=setting.n_head)
+    with torch.random.fork_rng(devices=[]):
+        return sum(p.numel() for p in GPT(config).parameters())
 
 
 def load_setting_corpus(setting: Setting) -> Any:

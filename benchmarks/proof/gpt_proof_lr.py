@@ -55,7 +55,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
              "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam",
              "tracker_..._wd", "tracker_..._slopeNN", "tracker_..._hold", "tracker_..._gateNN",
-             "tracker_..._plateauNN[_atNN][_exitNN]", "tracker_library_plateauNN")
+             "tracker_..._plateauNN[_atNN][_exitNN]", "tracker_library_plateauNN[_tppNN]")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -95,8 +95,10 @@ _GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
 #: (:func:`plateau_held`); ``..._plateau15_at19``: the verdict at 0.19 of the run in place of a quarter;
 #: ``..._plateau15_exit30``: a run held at the verdict grows from the first update where the slope reaches 0.3
 #: ``tracker_library_plateau15``: the library's ``BatchSizeController(hold_on_plateau=0.15)`` with the run's length,
-#: given each microbatch's loss by ``tracker.observe_loss`` (the prototype above, as users get it)
-_LIBRARY_PLATEAU_RUN = re.compile(r"tracker_library_plateau(\d\d)")
+#: given each microbatch's loss by ``tracker.observe_loss`` (the prototype above, as users get it);
+#: ``tracker_library_plateau15_tpp20``: the same, its hold applying only below 20 tokens per parameter of the model at
+#: the verdict (:func:`plateau_gated_by_size`)
+_LIBRARY_PLATEAU_RUN = re.compile(r"tracker_library_plateau(\d\d)(?:_tpp(\d+))?")
 _PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?(?:_exit(\d\d))?")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
@@ -327,6 +329,34 @@ def plateau_held(controller: Any, *, below: float, warmup_tokens: float, total_t
     return _growth_switched(controller, warmup_tokens=warmup_tokens, grows=grows)
 
 
+def plateau_gated_by_size(controller: Any, *, parameters: int, tokens_per_parameter: float) -> Any:
+    """``controller`` (a ``BatchSizeController`` with ``hold_on_plateau``), changed in place so that a verdict that
+    holds holds only if the run has seen fewer than ``tokens_per_parameter`` tokens per parameter of the model
+    (``parameters``) by then; past that, the growth rule is in force as on a verdict that does not hold. A prototype
+    for the frontier, not the library's: a loss that falls slowly early in a model's training sits on a plateau it
+    will leave (growth there cost the loss), one that falls slowly after many tokens per parameter is a run long for
+    its model (growth there kept it), and the nats threshold alone cannot tell the two apart."""
+    from cbs_tracker.policy.plateau import PlateauHold
+
+    if not parameters > 0 or not tokens_per_parameter > 0:
+        raise ValueError(f"plateau_gated_by_size(parameters={parameters!r}, tokens_per_parameter="
+                         f"{tokens_per_parameter!r}): both must be > 0")
+
+    class SizeGated(PlateauHold):
+        def _verdict(self, tokens: float) -> str | None:
+            said = super()._verdict(tokens)
+            if self.held and tokens >= tokens_per_parameter * parameters:
+                self.held, self.gated = False, tokens / parameters
+                self.slope.clear()
+                said = f"{said}; but {tokens / parameters:.3g} tokens per parameter >= {tokens_per_parameter:g}: " \
+                       "the growth rule is in force"
+            return said
+
+    controller.plateau.__class__ = SizeGated
+    controller.plateau.gated = None  # the tokens per parameter at a verdict the gate overturned
+    return controller
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
@@ -396,8 +426,12 @@ def _controller_of(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController(total_tokens=setting.budget_tokens)
     library_plateau = _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule)
     if library_plateau is not None:  # the library's default with its hold_on_plateau, the loss from the tracker
-        return BatchSizeController(total_tokens=setting.budget_tokens,
-                                   hold_on_plateau=int(library_plateau.group(1)) / 100)
+        controller = BatchSizeController(total_tokens=setting.budget_tokens,
+                                         hold_on_plateau=int(library_plateau.group(1)) / 100)
+        if library_plateau.group(2) is not None:
+            plateau_gated_by_size(controller, parameters=base.parameter_count(setting),
+                                  tokens_per_parameter=int(library_plateau.group(2)))
+        return controller
     until_run = _UNTIL_RUN.fullmatch(run.schedule)
     if until_run is not None:
         # late halvings of the scheduled LR left to decay (convert_until of the run's length, which it is given)

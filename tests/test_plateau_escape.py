@@ -1,0 +1,57 @@
+"""``benchmarks/proof/plateau_escape.py``: steps, escapes and gaps read off hand-made runs whose answers are computed
+by hand here."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def escape():
+    return load_script("benchmarks/proof/plateau_escape.py", "plateau_escape_under_test")
+
+
+TOTAL = 1000.0
+
+
+def curve(knee: float, drop_per_100: float = 0.05) -> list[list[float]]:
+    """A plateau at 3.0 from 100 tokens to ``knee``, then a fall of ``drop_per_100`` nats per 100 tokens."""
+    return [[t, 5.0 if t == 0 else 3.0 - drop_per_100 * max(0.0, t - knee) / 100] for t in range(0, 1001, 100)]
+
+
+def run(rule, seed, knee, changes, drop_per_100=0.05):
+    return {"setting": "s", "lr_schedule": "cosine", "rule": rule, "seed": seed, "tokens": TOTAL,
+            "val_curve": curve(knee, drop_per_100), "batch_changes": changes}
+
+
+def test_steps_count_each_stretch_at_its_batch(escape):
+    changes = [[0.0, 10.0], [300.0, 20.0], [700.0, 40.0]]
+    assert escape.steps_at(changes, 200.0) == pytest.approx(20.0)
+    assert escape.steps_at(changes, 500.0) == pytest.approx(30 + 10)  # 300 / 10 + 200 / 20
+    assert escape.steps_at(changes, 1000.0) == pytest.approx(30 + 20 + 7.5)
+
+
+def test_the_escape_is_where_the_loss_falls_below_the_plateau_and_the_gap_is_the_rules_loss_minus_the_constants(
+        escape):
+    """Both runs leave the plateau (3.0 at a fifth of the run) at 400 tokens. The constant, at 10 tokens a step,
+    falls 0.05 nats per 100 tokens and is 0.09 below the plateau past 580 tokens: at the evaluation at 600, its step
+    60. The rule doubled to 20 tokens a step at 300 tokens and falls at half the rate: 0.09 below past 760 tokens, at
+    800, its step 300 / 10 + 500 / 20 = 55. Its gap to the constant is 0 on the plateau and then 0.025 nats per 100
+    tokens."""
+    runs = [run("constant", s, 400.0, [[0.0, 10.0]]) for s in (0, 1)]
+    runs += [run("r", s, 400.0, [[0.0, 10.0], [300.0, 20.0]], drop_per_100=0.025) for s in (0, 1)]
+    runs += [run("r", 2, 400.0, [[0.0, 10.0]])]  # no constant run of seed 2: not paired
+    pairs = escape._pairs(runs, "s", "cosine", "r")
+    assert [(c["seed"], g["seed"]) for c, g in pairs] == [(0, 0), (1, 1)]
+    esc = escape.escape_row(pairs, drop=0.09)
+    assert esc["constant"] == pytest.approx([600.0, 60.0])
+    assert esc["rule"] == pytest.approx([800.0, 55.0])
+    assert escape.gap_row(pairs, marks=(0.2, 0.4, 0.6, 1.0)) == pytest.approx([0.0, 0.0, 0.05, 0.15])
+
+
+def test_a_run_that_never_leaves_its_plateau_has_no_escape(escape):
+    runs = [run("constant", 0, 400.0, [[0.0, 10.0]]), run("r", 0, 2000.0, [[0.0, 10.0], [300.0, 20.0]])]
+    esc = escape.escape_row(escape._pairs(runs, "s", "cosine", "r"), drop=0.09)
+    assert esc["rule"] is None and esc["constant"] == pytest.approx([600.0, 60.0])
