@@ -55,3 +55,20 @@ def test_a_run_that_never_leaves_its_plateau_has_no_escape(escape):
     runs = [run("constant", 0, 400.0, [[0.0, 10.0]]), run("r", 0, 2000.0, [[0.0, 10.0], [300.0, 20.0]])]
     esc = escape.escape_row(escape._pairs(runs, "s", "cosine", "r"), drop=0.09)
     assert esc["rule"] is None and esc["constant"] == pytest.approx([600.0, 60.0])
+
+
+def test_around_the_escape_the_trace_is_read_before_and_after_it_and_a_run_that_grew_is_refused(escape):
+    """A run at a constant 10 tokens a step whose loss leaves its plateau (3.0) at 400 tokens and is 0.09 below it at
+    600; its trace's noise scale is 40 before 600 tokens and 20 from there, ``|G|^2`` 1 and then 3: the medians over
+    [300, 600) and [600, 900)."""
+    tokens = [float(t) for t in range(0, 1001, 50)]
+    record = {"name": "r", "tokens": TOTAL, "evals": {"tokens": [t for t, _ in curve(400.0)],
+                                                      "val_loss": [v for _, v in curve(400.0)]},
+              "trace": {"tokens": tokens, "global_batch": [10.0] * len(tokens),
+                        "noise_scale": [40.0 if t < 600 else 20.0 for t in tokens],
+                        "grad_sq_norm": [1.0 if t < 600 else 3.0 for t in tokens]}}
+    got = escape.around_escape(record, drop=0.09)
+    assert got == {"tokens": 600.0, "noise_before": 40.0, "noise_after": 20.0, "grad_before": 1.0, "grad_after": 3.0}
+    record["trace"]["global_batch"][-1] = 20.0
+    with pytest.raises(ValueError, match=r"r: its batch changed \(\[10.0, 20.0\]\)"):
+        escape.around_escape(record, drop=0.09)

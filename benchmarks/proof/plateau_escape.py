@@ -79,7 +79,11 @@ def escape_row(pairs: list[tuple[dict, dict]], drop: float) -> dict[str, list[fl
 
 def around_escape(record: dict[str, Any], drop: float) -> dict[str, float] | None:
     """A run record's escape (its own validation loss ``drop`` below its loss at :data:`PLATEAU_MARK`) and the
-    medians of its trace's noise scale and ``|G|^2`` over ``[T/2, T)`` and ``[T, 1.5 T)``."""
+    medians of its trace's noise scale and ``|G|^2`` over ``[T/2, T)`` and ``[T, 1.5 T)``. Only for a run whose
+    batch never changed: the noise scale of the constant batch, which growth would have read."""
+    if len(set(record["trace"]["global_batch"])) > 1:
+        raise ValueError(f"{record.get('name', 'run')}: its batch changed ({sorted(set(record['trace']['global_batch']))}); "
+                         "give runs that stayed at their starting batch")
     curve = [list(p) for p in zip(record["evals"]["tokens"], record["evals"]["val_loss"])]
     t = escape_tokens(curve, frontier.loss_at(curve, PLATEAU_MARK * record["tokens"]) - drop)
     if t is None:
@@ -118,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                   + " | ".join(f"{x:+.3f}" for x in gap_row(pairs)) + " | " + " | ".join(cells) + " |")
     for path in args.traces:
         record = json.loads(Path(path).read_text())
-        a = around_escape(record, args.drop)
+        try:
+            a = around_escape(record, args.drop)
+        except ValueError as e:
+            print(f"{path}: skipped, {e}")
+            continue
         print(f"{path}: " + ("no escape" if a is None else
               f"escape at {a['tokens'] / 1e3:.0f}k tokens; B_simple {a['noise_before']:.0f} -> {a['noise_after']:.0f}, "
               f"|G|^2 {a['grad_before']:.3f} -> {a['grad_after']:.3f}"))
