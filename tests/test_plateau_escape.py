@@ -72,3 +72,12 @@ def test_around_the_escape_the_trace_is_read_before_and_after_it_and_a_run_that_
     record["trace"]["global_batch"][-1] = 20.0
     with pytest.raises(ValueError, match=r"r: its batch changed \(\[10.0, 20.0\]\)"):
         escape.around_escape(record, drop=0.09)
+
+
+def test_the_results_table_is_what_the_committed_frontier_gives(escape):
+    """``docs/results.md``'s escape table is the script's on ``docs/frontier.json`` (the command beside it)."""
+    runs = escape.frontier.load()["runs"]
+    table = escape.escape_table(runs, ["wide", "wide_lr3", "long", "narrow"], escape.frontier.DEFAULT_RULE, 0.1)
+    results = (escape.frontier.ROOT / "docs" / "results.md").read_text()
+    assert "python benchmarks/proof/plateau_escape.py --settings wide,wide_lr3,long,narrow\n" in results
+    assert "\n".join("  " + line for line in table.splitlines()) in results

@@ -97,6 +97,23 @@ def around_escape(record: dict[str, Any], drop: float) -> dict[str, float] | Non
     return out
 
 
+def escape_table(runs: list[dict[str, Any]], settings: list[str], rule: str, drop: float) -> str:
+    """:func:`gap_row` and :func:`escape_row` of each setting and LR schedule as a markdown table."""
+    lines = ["| setting | LR schedule | seeds | " + " | ".join(f"{m:.0%}" for m in GAP_MARKS)
+             + " | escape, constant: tokens, steps | escape, rule: tokens, steps |",
+             "|---|---|---|" + "---|" * (len(GAP_MARKS) + 2)]
+    for setting in settings:
+        for schedule in ("cosine", "wsd"):
+            pairs = _pairs(runs, setting, schedule, rule)
+            if not pairs:
+                continue
+            cells = [("never" if v is None else f"{v[0] / 1e3:.0f}k, {v[1]:,.0f}")
+                     for v in escape_row(pairs, drop).values()]
+            lines.append(f"| {setting} | {schedule} | {len(pairs)} | "
+                         + " | ".join(f"{x:+.3f}" for x in gap_row(pairs)) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", default="wide,wide_lr3,long,narrow,prose")
@@ -108,18 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.drop > 0:
         p.error(f"--drop={args.drop}: must be > 0 (nats below the plateau's loss)")
     runs = frontier.load(Path(args.doc))["runs"]
-    print("| setting | LR schedule | seeds | " + " | ".join(f"{m:.0%}" for m in GAP_MARKS)
-          + " | escape, constant: tokens, steps | escape, rule: tokens, steps |")
-    print("|---|---|---|" + "---|" * (len(GAP_MARKS) + 2))
-    for setting in [s.strip() for s in args.settings.split(",") if s.strip()]:
-        for schedule in ("cosine", "wsd"):
-            pairs = _pairs(runs, setting, schedule, args.rule)
-            if not pairs:
-                continue
-            esc = escape_row(pairs, args.drop)
-            cells = [("never" if v is None else f"{v[0] / 1e3:.0f}k, {v[1]:.0f}") for v in esc.values()]
-            print(f"| {setting} | {schedule} | {len(pairs)} | "
-                  + " | ".join(f"{x:+.3f}" for x in gap_row(pairs)) + " | " + " | ".join(cells) + " |")
+    print(escape_table(runs, [s.strip() for s in args.settings.split(",") if s.strip()], args.rule, args.drop), end="")
     for path in args.traces:
         record = json.loads(Path(path).read_text())
         try:
