@@ -125,6 +125,8 @@ def test_the_size_gate_lets_a_run_past_20_tokens_per_parameter_grow_where_the_op
     assert gated.plateau.verdict_slope == pytest.approx(0.1, rel=1e-6)
     with pytest.raises(ValueError, match=r"parameters=0, tokens_per_parameter=20\): both must be > 0"):
         proof_lr.plateau_gated_by_size(BatchSizeController(hold_on_plateau=0.15), parameters=0, tokens_per_parameter=20)
+    with pytest.raises(ValueError, match="has no hold_on_plateau to gate"):
+        proof_lr.plateau_gated_by_size(BatchSizeController(), parameters=10, tokens_per_parameter=20)
 
 
 def test_a_resumed_controller_decides_as_the_uninterrupted_one():

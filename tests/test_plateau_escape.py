@@ -26,11 +26,27 @@ def run(rule, seed, knee, changes, drop_per_100=0.05):
             "val_curve": curve(knee, drop_per_100), "batch_changes": changes}
 
 
-def test_steps_count_each_stretch_at_its_batch(escape):
-    changes = [[0.0, 10.0], [300.0, 20.0], [700.0, 40.0]]
+def test_steps_count_each_stretch_at_its_batch_the_first_from_zero(escape):
+    changes = [[10.0, 10.0], [300.0, 20.0], [700.0, 40.0]]  # the first dated at its first step, as the records do
     assert escape.steps_at(changes, 200.0) == pytest.approx(20.0)
     assert escape.steps_at(changes, 500.0) == pytest.approx(30 + 10)  # 300 / 10 + 200 / 20
     assert escape.steps_at(changes, 1000.0) == pytest.approx(30 + 20 + 7.5)
+
+
+def test_steps_at_the_end_are_the_committed_runs_step_counts(escape):
+    """Against the step counts the runs recorded: a constant run's exactly; a grown run's at most what its batch
+    changes, dated on the trace's grid (up to 8,192 tokens late, each), can add: 8,192 x (1 / B_before - 1 / B_after)
+    steps a change."""
+    runs = [r for r in escape.frontier.load()["runs"] if r["setting"] in ("wide", "long")
+            and r["rule"] in ("constant", escape.frontier.DEFAULT_RULE)]
+    assert len(runs) == 32
+    for r in runs:
+        steps = escape.steps_at(r["batch_changes"], r["tokens"])
+        if r["rule"] == "constant":
+            assert steps == pytest.approx(r["steps"], abs=1e-6)
+        else:
+            late = sum(8192 * (1 / a[1] - 1 / b[1]) for a, b in zip(r["batch_changes"], r["batch_changes"][1:]))
+            assert r["steps"] <= steps <= r["steps"] + late + 1e-6
 
 
 def test_the_escape_is_where_the_loss_falls_below_the_plateau_and_the_gap_is_the_rules_loss_minus_the_constants(
@@ -45,16 +61,23 @@ def test_the_escape_is_where_the_loss_falls_below_the_plateau_and_the_gap_is_the
     runs += [run("r", 2, 400.0, [[0.0, 10.0]])]  # no constant run of seed 2: not paired
     pairs = escape._pairs(runs, "s", "cosine", "r")
     assert [(c["seed"], g["seed"]) for c, g in pairs] == [(0, 0), (1, 1)]
-    esc = escape.escape_row(pairs, drop=0.09)
-    assert esc["constant"] == pytest.approx([600.0, 60.0])
-    assert esc["rule"] == pytest.approx([800.0, 55.0])
+    row = escape.escape_row(pairs, drop=0.09)
+    assert row["tokens"] == pytest.approx({"constant": 600.0, "rule": 800.0})
+    assert row["escaped"] == {"constant": 2, "rule": 2} and row["later_same_earlier"] == [2, 0, 0]
+    assert row["saved"] == pytest.approx((1 - 55 / 60,) * 3)
     assert escape.gap_row(pairs, marks=(0.2, 0.4, 0.6, 1.0)) == pytest.approx([0.0, 0.0, 0.05, 0.15])
 
 
-def test_a_run_that_never_leaves_its_plateau_has_no_escape(escape):
-    runs = [run("constant", 0, 400.0, [[0.0, 10.0]]), run("r", 0, 2000.0, [[0.0, 10.0], [300.0, 20.0]])]
-    esc = escape.escape_row(escape._pairs(runs, "s", "cosine", "r"), drop=0.09)
-    assert esc["rule"] is None and esc["constant"] == pytest.approx([600.0, 60.0])
+def test_a_seed_that_never_leaves_its_plateau_is_counted_out_and_said(escape):
+    """Seed 1's rule run never falls 0.09 below the plateau: the rule's median is seed 0's, the cell says 1 of 2, and
+    only seed 0 is compared (same evaluation, 60 steps against 60)."""
+    runs = [run("constant", s, 400.0, [[0.0, 10.0]]) for s in (0, 1)]
+    runs += [run("r", 0, 400.0, [[0.0, 10.0]]), run("r", 1, 2000.0, [[0.0, 10.0], [300.0, 20.0]])]
+    row = escape.escape_row(escape._pairs(runs, "s", "cosine", "r"), drop=0.09)
+    assert row["escaped"] == {"constant": 2, "rule": 1} and row["tokens"]["rule"] == pytest.approx(600.0)
+    assert row["later_same_earlier"] == [0, 1, 0] and row["saved"] == pytest.approx((0.0, 0.0, 0.0))
+    assert "| 600k | 1k (1 of 2 seeds) |" not in escape.escape_table(runs, ["s"], "r", 0.09)  # tokens in thousands
+    assert "| 1k | 1k (1 of 2 seeds) | 0 / 1 / 0 | 0% (0%–0%) |" in escape.escape_table(runs, ["s"], "r", 0.09)
 
 
 def test_around_the_escape_the_trace_is_read_before_and_after_it_and_a_run_that_grew_is_refused(escape):

@@ -338,6 +338,8 @@ def plateau_gated_by_size(controller: Any, *, parameters: int, tokens_per_parame
     its model (growth there kept it), and the nats threshold alone cannot tell the two apart."""
     from cbs_tracker.policy.plateau import PlateauHold
 
+    if not controller.plateau.active:
+        raise ValueError("plateau_gated_by_size: the controller has no hold_on_plateau to gate")
     if not parameters > 0 or not tokens_per_parameter > 0:
         raise ValueError(f"plateau_gated_by_size(parameters={parameters!r}, tokens_per_parameter="
                          f"{tokens_per_parameter!r}): both must be > 0")
@@ -353,7 +355,7 @@ def plateau_gated_by_size(controller: Any, *, parameters: int, tokens_per_parame
             return said
 
     controller.plateau.__class__ = SizeGated
-    controller.plateau.gated = None  # the tokens per parameter at a verdict the gate overturned
+    controller.plateau.gated = None  # the tokens per parameter at a verdict the gate overturned (not saved)
     return controller
 
 

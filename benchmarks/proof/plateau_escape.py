@@ -1,19 +1,21 @@
 """Where growth loses the loss on the GPTs whose loss sits on a plateau, read off the frontier's runs.
 
-Three tables, from ``docs/frontier.json`` (and, for the third, run records with their traces):
+A table from ``docs/frontier.json``, and with ``--traces`` a line per run record:
 
 - **the gap**: a rule's validation loss minus the constant batch's of the same seed, the mean over the seeds, at
   fractions of the run (``--rule``, default the library's default);
 - **the escape**: where each run's validation loss first falls ``drop`` nats below the constant run's loss at a
-  fifth of the run (on the plateau GPTs, the loss on its plateau), in tokens and in optimizer steps, the median
-  over the seeds, for the constant batch and the rule: a loss that leaves its plateau after a number of steps
-  leaves it later in tokens at a larger batch, one that leaves it after a number of tokens does not;
+  fifth of the run (on the plateau GPTs, the loss on its plateau): the median tokens over the seeds for the
+  constant batch and the rule, how many of the rule's seeds got there later, at the same evaluation or earlier, and
+  the share of the constant's optimizer steps the rule had saved by then. A loss that leaves its plateau after a
+  number of steps leaves it later in tokens at a larger batch; one that leaves it after a number of tokens does not;
 - **the noise scale around the escape** (``--traces``, run records such as ``runs/frontier/wide/runs/*.json``
-  of runs that stayed at their starting batch): the median ``B_simple`` and ``|G|^2`` of the trace over the
-  tokens before the escape (from half its tokens) and after it (to 1.5 times).
+  of runs that stayed at their starting batch): where the run's own loss falls ``drop`` below its loss at a fifth
+  of the run, and the median ``B_simple`` and ``|G|^2`` of its trace over the tokens before (from half of them)
+  and after it (to 1.5 times).
 
-    python benchmarks/proof/plateau_escape.py --settings wide,wide_lr3,long,narrow,prose
-    python benchmarks/proof/plateau_escape.py --settings wide --traces runs/frontier/wide/runs/tracker_library_plateau15_*
+    python benchmarks/proof/plateau_escape.py --settings wide,wide_lr3,long,narrow
+    python benchmarks/proof/plateau_escape.py --traces runs/frontier/wide/runs/tracker_library_plateau15_*
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ PLATEAU_MARK = 0.2
 
 
 def steps_at(batch_changes: list[list[float]], tokens: float) -> float:
-    """Optimizer steps taken by ``tokens``, from a run's ``batch_changes`` (``[tokens, batch]`` from each change
-    on, the first at the start)."""
+    """Optimizer steps taken by ``tokens``, from a run's ``batch_changes``: ``[tokens, batch]`` of each change, the
+    first the starting batch (counted from 0 tokens; the record dates it at its first step). The records date a
+    change on their trace's grid (every 8,192 tokens), up to one interval late, so a grown run's steps come out up to
+    about 1% high."""
     steps = 0.0
-    for (t0, batch), nxt in zip(batch_changes, [*batch_changes[1:], [float("inf"), 0.0]]):
+    starts = [0.0] + [t for t, _ in batch_changes[1:]]
+    for t0, t1, (_, batch) in zip(starts, [*starts[1:], float("inf")], batch_changes):
         if tokens <= t0:
             break
-        steps += (min(tokens, nxt[0]) - t0) / batch
+        steps += (min(tokens, t1) - t0) / batch
     return steps
 
 
@@ -63,18 +68,27 @@ def gap_row(pairs: list[tuple[dict, dict]], marks: tuple[float, ...] = GAP_MARKS
                             for c, g in pairs) for m in marks]
 
 
-def escape_row(pairs: list[tuple[dict, dict]], drop: float) -> dict[str, list[float] | None]:
-    """Per rule (``constant``, the rule), the median over the seeds of the tokens and of the optimizer steps where
-    the loss first falls ``drop`` below the constant run's loss at :data:`PLATEAU_MARK` (``None``: some seed never
-    did)."""
-    found: dict[str, list[tuple[float, float]]] = {"constant": [], "rule": []}
+def escape_row(pairs: list[tuple[dict, dict]], drop: float) -> dict[str, Any]:
+    """Where each run's loss first falls ``drop`` below the constant run's loss at :data:`PLATEAU_MARK`: the medians
+    over the seeds of the constant's and the rule's tokens there (over the seeds that got there; ``escaped`` says how
+    many did), how many of the rule's came evaluations later, at the same one (the nearest; the runs' grids differ by
+    a step's tokens) and earlier than its constant's, and the
+    median (and range) over the seeds of the share of the constant's steps the rule saved by then."""
+    tokens: dict[str, list[float]] = {"constant": [], "rule": []}
+    order, saved = [0, 0, 0], []
     for c, g in pairs:
         below = frontier.loss_at(c["val_curve"], PLATEAU_MARK * c["tokens"]) - drop
-        for key, r in (("constant", c), ("rule", g)):
-            t = escape_tokens(r["val_curve"], below)
-            found[key].append((t, steps_at(r["batch_changes"], t)) if t is not None else None)
-    return {key: None if None in v else [statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)]
-            for key, v in found.items()}
+        tc, tg = escape_tokens(c["val_curve"], below), escape_tokens(g["val_curve"], below)
+        for key, t in (("constant", tc), ("rule", tg)):
+            if t is not None:
+                tokens[key].append(t)
+        if tc is not None and tg is not None:
+            apart = round((tg - tc) / (c["val_curve"][1][0] - c["val_curve"][0][0]))  # evaluations (their grids differ)
+            order[0 if apart > 0 else 1 if apart == 0 else 2] += 1
+            saved.append(1 - steps_at(g["batch_changes"], tg) / steps_at(c["batch_changes"], tc))
+    return {"escaped": {k: len(v) for k, v in tokens.items()}, "seeds": len(pairs),
+            "tokens": {k: statistics.median(v) if v else None for k, v in tokens.items()},
+            "later_same_earlier": order, "saved": (statistics.median(saved), min(saved), max(saved)) if saved else None}
 
 
 def around_escape(record: dict[str, Any], drop: float) -> dict[str, float] | None:
@@ -92,23 +106,34 @@ def around_escape(record: dict[str, Any], drop: float) -> dict[str, float] | Non
     out: dict[str, float] = {"tokens": t}
     for name, lo, hi in (("before", t / 2, t), ("after", t, 1.5 * t)):
         idx = [i for i, x in enumerate(tr["tokens"]) if lo <= x < hi and tr["noise_scale"][i] is not None]
+        if not idx:
+            raise ValueError(f"{record.get('name', 'run')}: no noise scale in its trace over [{lo:.0f}, {hi:.0f}) tokens")
         out[f"noise_{name}"] = statistics.median(tr["noise_scale"][i] for i in idx)
         out[f"grad_{name}"] = statistics.median(tr["grad_sq_norm"][i] for i in idx)
     return out
 
 
+def _tokens_cell(row: dict[str, Any], key: str) -> str:
+    t, n = row["tokens"][key], row["escaped"][key]
+    if t is None:
+        return "never"
+    return f"{t / 1e3:.0f}k" + ("" if n == row["seeds"] else f" ({n} of {row['seeds']} seeds)")
+
+
 def escape_table(runs: list[dict[str, Any]], settings: list[str], rule: str, drop: float) -> str:
     """:func:`gap_row` and :func:`escape_row` of each setting and LR schedule as a markdown table."""
     lines = ["| setting | LR schedule | seeds | " + " | ".join(f"{m:.0%}" for m in GAP_MARKS)
-             + " | escape, constant: tokens, steps | escape, rule: tokens, steps |",
-             "|---|---|---|" + "---|" * (len(GAP_MARKS) + 2)]
+             + " | escape, constant | escape, rule | rule later / same / earlier | fewer steps by then |",
+             "|---|---|---|" + "---|" * (len(GAP_MARKS) + 4)]
     for setting in settings:
         for schedule in ("cosine", "wsd"):
             pairs = _pairs(runs, setting, schedule, rule)
             if not pairs:
                 continue
-            cells = [("never" if v is None else f"{v[0] / 1e3:.0f}k, {v[1]:,.0f}")
-                     for v in escape_row(pairs, drop).values()]
+            row = escape_row(pairs, drop)
+            saved = "" if row["saved"] is None else "{:.0%} ({:.0%}–{:.0%})".format(*row["saved"])
+            cells = [_tokens_cell(row, "constant"), _tokens_cell(row, "rule"),
+                     " / ".join(map(str, row["later_same_earlier"])), saved]
             lines.append(f"| {setting} | {schedule} | {len(pairs)} | "
                          + " | ".join(f"{x:+.3f}" for x in gap_row(pairs)) + " | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -116,7 +141,8 @@ def escape_table(runs: list[dict[str, Any]], settings: list[str], rule: str, dro
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", default="wide,wide_lr3,long,narrow,prose")
+    p.add_argument("--settings", default=None,
+                   help="comma-separated (default: the four plateau GPTs; none with --traces alone)")
     p.add_argument("--rule", default=frontier.DEFAULT_RULE)
     p.add_argument("--drop", type=float, default=0.1, help="nats below the plateau that count as its escape")
     p.add_argument("--doc", default=str(frontier.DOC))
@@ -125,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.drop > 0:
         p.error(f"--drop={args.drop}: must be > 0 (nats below the plateau's loss)")
     runs = frontier.load(Path(args.doc))["runs"]
-    print(escape_table(runs, [s.strip() for s in args.settings.split(",") if s.strip()], args.rule, args.drop), end="")
+    settings = args.settings if args.settings is not None else "" if args.traces else "wide,wide_lr3,long,narrow"
+    if settings:
+        print(escape_table(runs, [s.strip() for s in settings.split(",") if s.strip()], args.rule, args.drop), end="")
     for path in args.traces:
         record = json.loads(Path(path).read_text())
         try:
