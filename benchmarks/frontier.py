@@ -122,7 +122,7 @@ RULES = {
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
-#: panels left to right: the two settings that chose the default's `κ`, then the ten that only judged it
+#: panels left to right: the two settings that chose the default's `κ`, then the eleven that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
                  "tail": 9, "tail_long": 10, "tail_code": 11, "tail_synth": 12}
 DOC = ROOT / "docs" / "frontier.json"
@@ -321,6 +321,8 @@ def _replace_after(text: str, mark: str, body: str) -> str:
 
 #: the library's plateau option as the frontier runs it (``BatchSizeController(hold_on_plateau=0.15)``)
 PLATEAU_RULE = "library:hold_on_plateau=0.15"
+#: the plateau option with its hold gated by tokens per parameter, a prototype (``gpt_proof_lr.plateau_gated_by_size``)
+GATED_RULE = "library:hold_on_plateau=0.15+tpp20"
 #: the README's name for each setting, and what was tuned on it: the default's ``κ`` (under cosine) and its limit
 #: ``convert_until=0.85``, the plateau option's threshold and quarter; a setting without a choice judged it
 README_SETTINGS = {
@@ -336,6 +338,7 @@ README_SETTINGS = {
     "tail": ("1 × 32, prose, 190 tokens per parameter", ()),
     "tail_long": ("the same on twice the tokens, 380 per parameter", ()),
     "tail_code": ("1 × 48, code, 200 tokens per parameter", ()),
+    "tail_synth": ("2 × 32, the synthetic language, 240 tokens per parameter", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
 

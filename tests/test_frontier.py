@@ -147,7 +147,7 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     rule = frontier.DEFAULT_RULE
     mine = [p for p in pts if p["rule"] == rule]
     assert len(mine) == 2 * len(frontier.README_SETTINGS)
-    assert f"Ten small GPTs in {len(frontier.README_SETTINGS)} settings" in readme
+    assert f"Eleven small GPTs in {len(frontier.README_SETTINGS)} settings" in readme
     kept = sum(map(frontier.keeps, mine))
     enough = sum(p["steps_saved"] >= 0.55 for p in mine)
     held = [p for p in mine if frontier.held_out(p["setting"], rule)]
@@ -161,13 +161,23 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
     assert f"`BatchSizeController(hold_on_plateau=0.15)`, an option, keeps the loss on {sum(map(frontier.keeps, plateau))} of " \
            f"the {len(plateau)} ({sum(map(frontier.keeps, plateau_held))} of the {len(plateau_held)} on GPTs it was not tuned " \
            "on)" in readme, readme
+    long_settings = ("tail_long", "tail_code", "tail_synth")
     long_runs = [[(by[(s, sch, frontier.PLATEAU_RULE)], by[(s, sch, rule)]) for sch in ("cosine", "wsd")]
-                 for s in ("tail_long", "tail_code")]
+                 for s in long_settings]
     assert all(o["steps_saved_range"] == [0.0, 0.0] and not any(o["deltas"]) for r in long_runs for o, _ in r)  # "never grew"
-    ((_, c1), (_, w1)), ((_, c2), (_, w2)) = long_runs
-    assert f"where the default ended {said(c1)[0]} / {said(w1)[0]} and {said(c2)[0]} / {said(w2)[0]} nats against the " \
-           f"constant with {round(100 * c1['steps_saved'])}% / {round(100 * w1['steps_saved'])}% and " \
-           f"{round(100 * c2['steps_saved'])}% / {round(100 * w2['steps_saved'])}% fewer steps" in readme, readme
+
+    def pairs(points):  # "a / b, c / d and e / f" of the cosine and WSD values, per setting
+        *head, last = [" / ".join(x) for x in points]
+        return ", ".join(head) + " and " + last
+
+    ends = pairs([[said(d)[0] for _, d in r] for r in long_runs])
+    shares = pairs([[f"{round(100 * d['steps_saved'])}%" for _, d in r] for r in long_runs])
+    assert f"where the default ended {ends} nats against the constant with {shares} fewer steps" in readme, readme
+    gated = [[by[(s, sch, frontier.GATED_RULE)] for sch in ("cosine", "wsd")] for s in long_settings]
+    assert all(map(frontier.keeps, (p for r in gated for p in r)))  # "kept the loss on all three"
+    gated_ends = pairs([[said(p)[0] for p in r] for r in gated])
+    gated_shares = pairs([[f"{round(100 * p['steps_saved'])}%" for p in r] for r in gated])
+    assert f"kept the loss on all three: {gated_ends} nats with {gated_shares} fewer steps" in readme, readme
     saved = [round(100 * p["steps_saved"]) for p in mine]
     (wc, wcu), (ww, wwu) = (said(by[("wide", sch, rule)]) for sch in ("cosine", "wsd"))  # the known limits
     assert f"it ended {wc} nats (upper end {wcu}) under cosine and {ww} ({wwu}) under warmup-stable-decay" in text

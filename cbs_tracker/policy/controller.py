@@ -190,8 +190,8 @@ class BatchSizeController:
             falls, ``-dL / d ln T`` by least squares over the second half of the tokens seen (from twice the
             LR's warm-up on), and below ``hold_on_plateau`` nats per e-fold of tokens (a loss on its plateau)
             hold for the rest of the run; otherwise the rule is in force from then on. ``None`` (default):
-            off. ``0.15`` kept the loss on 23 of 24 small-GPT settings and schedules where the default kept
-            it on 14, saving fewer steps (results.md): a hypothesis read off eight of them, in nats, which
+            off. ``0.15`` kept the loss on 25 of 26 small-GPT settings and schedules where the default kept
+            it on 16, saving fewer steps (results.md): a hypothesis read off eight of them, in nats, which
             a run long for its model falls slower than a quarter in (held there, it saves nothing). It needs each
             step's training loss (:meth:`observe_loss`; the adapters pass it where they see the loss);
             with none at the verdict it warns and does nothing. Without the run's length nothing is held
