@@ -1,4 +1,4 @@
-"""``benchmarks/proof/plateau_escape.py``: steps, escapes and gaps read off hand-made runs whose answers are computed
+"""``benchmarks/plateau_escape.py``: steps, escapes and gaps read off hand-made runs whose answers are computed
 by hand here."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.scripts import load_script
 
 @pytest.fixture(scope="module")
 def escape():
-    return load_script("benchmarks/proof/plateau_escape.py", "plateau_escape_under_test")
+    return load_script("benchmarks/plateau_escape.py", "plateau_escape_under_test")
 
 
 TOTAL = 1000.0
@@ -102,5 +102,5 @@ def test_the_results_table_is_what_the_committed_frontier_gives(escape):
     runs = escape.frontier.load()["runs"]
     table = escape.escape_table(runs, ["wide", "wide_lr3", "long", "narrow"], escape.frontier.DEFAULT_RULE, 0.1)
     results = (escape.frontier.ROOT / "docs" / "results.md").read_text()
-    assert "python benchmarks/proof/plateau_escape.py --settings wide,wide_lr3,long,narrow\n" in results
+    assert "python benchmarks/plateau_escape.py --settings wide,wide_lr3,long,narrow\n" in results
     assert "\n".join("  " + line for line in table.splitlines()) in results

@@ -14,8 +14,8 @@ A table from ``docs/frontier.json``, and with ``--traces`` a line per run record
   of the run, and the median ``B_simple`` and ``|G|^2`` of its trace over the tokens before (from half of them)
   and after it (to 1.5 times).
 
-    python benchmarks/proof/plateau_escape.py --settings wide,wide_lr3,long,narrow
-    python benchmarks/proof/plateau_escape.py --traces runs/frontier/wide/runs/tracker_library_plateau15_*
+    python benchmarks/plateau_escape.py --settings wide,wide_lr3,long,narrow
+    python benchmarks/plateau_escape.py --traces runs/frontier/wide/runs/tracker_library_plateau15_*
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import frontier  # noqa: E402
+import frontier  # this script's folder is on the path, as for frontier.py itself
 
 #: the fractions of the run the gap is read at
 GAP_MARKS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.85, 0.995)
