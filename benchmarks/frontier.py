@@ -6,7 +6,7 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Twelve settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Thirteen settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
 minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes), ``synth`` (4 layers x 64,
@@ -22,7 +22,9 @@ and ``narrow`` (3 layers x 48, context 80, peak LR 4e-3, the docstrings, 1M toke
 before any run of the plateau rule) and ``tail`` (1 layer x 32, context 32, peak LR 3e-3, the docstrings, 4M tokens
 from 256-token batches, 190 per parameter, defined after every rule) and ``tail_long`` (``tail`` on 8M tokens, 380
 per parameter, defined after every rule) and ``tail_code`` (1 layer x 48, the code corpus, 8M tokens, 200 per
-parameter, defined after ``tail_long``'s runs); what was tuned on which is ``README_SETTINGS``.
+parameter, defined after ``tail_long``'s runs) and ``tail_synth`` (2 layers x 32, the synthetic language, 8M tokens,
+240 per parameter, defined before any run of the size-gated plateau option); what was tuned on which is
+``README_SETTINGS``.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -168,19 +170,25 @@ def paired(deltas: list[float]) -> tuple[float, float | None, float | None]:
     return mean, se, mean + T95[min(len(deltas) - 1, 9)] * se
 
 
+def paired_by_seed(runs: list[dict[str, Any]], setting: str, lr_schedule: str,
+                   rule: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """``(constant run, rule's run)`` of each seed both ran, in seed order, for one setting and LR schedule."""
+    mine = {(r["rule"], r["seed"]): r for r in runs if (r["setting"], r["lr_schedule"]) == (setting, lr_schedule)}
+    return [(mine[("constant", s)], r) for (name, s), r in sorted(mine.items(), key=lambda kv: kv[0][1])
+            if name == rule and ("constant", s) in mine]
+
+
 def points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per setting, LR schedule and rule, paired by seed against the constant batch."""
-    by = {(r["setting"], r["lr_schedule"], r["rule"], r["seed"]): r for r in runs}
     out = []
     for setting, lr_schedule, rule in sorted({(r["setting"], r["lr_schedule"], r["rule"]) for r in runs}):
         if rule == "constant":
             continue
-        seeds = sorted(s for (st, ls, ru, s) in by if (st, ls, ru) == (setting, lr_schedule, rule)
-                       and (setting, lr_schedule, "constant", s) in by)
-        if not seeds:
+        pairs = paired_by_seed(runs, setting, lr_schedule, rule)
+        if not pairs:
             continue
-        rows = [by[(setting, lr_schedule, rule, s)] for s in seeds]
-        refs = [by[(setting, lr_schedule, "constant", s)] for s in seeds]
+        seeds = [r["seed"] for _, r in pairs]
+        rows, refs = [r for _, r in pairs], [c for c, _ in pairs]
         deltas = [r["final_val_loss"] - c["final_val_loss"] for r, c in zip(rows, refs)]
         saved = [1.0 - r["steps"] / c["steps"] for r, c in zip(rows, refs)]
         mean, se, upper = paired(deltas)

@@ -59,7 +59,7 @@ def test_the_escape_is_where_the_loss_falls_below_the_plateau_and_the_gap_is_the
     runs = [run("constant", s, 400.0, [[0.0, 10.0]]) for s in (0, 1)]
     runs += [run("r", s, 400.0, [[0.0, 10.0], [300.0, 20.0]], drop_per_100=0.025) for s in (0, 1)]
     runs += [run("r", 2, 400.0, [[0.0, 10.0]])]  # no constant run of seed 2: not paired
-    pairs = escape._pairs(runs, "s", "cosine", "r")
+    pairs = escape.frontier.paired_by_seed(runs, "s", "cosine", "r")
     assert [(c["seed"], g["seed"]) for c, g in pairs] == [(0, 0), (1, 1)]
     row = escape.escape_row(pairs, drop=0.09)
     assert row["tokens"] == pytest.approx({"constant": 600.0, "rule": 800.0})
@@ -73,7 +73,7 @@ def test_a_seed_that_never_leaves_its_plateau_is_counted_out_and_said(escape):
     only seed 0 is compared (same evaluation, 60 steps against 60)."""
     runs = [run("constant", s, 400.0, [[0.0, 10.0]]) for s in (0, 1)]
     runs += [run("r", 0, 400.0, [[0.0, 10.0]]), run("r", 1, 2000.0, [[0.0, 10.0], [300.0, 20.0]])]
-    row = escape.escape_row(escape._pairs(runs, "s", "cosine", "r"), drop=0.09)
+    row = escape.escape_row(escape.frontier.paired_by_seed(runs, "s", "cosine", "r"), drop=0.09)
     assert row["escaped"] == {"constant": 2, "rule": 1} and row["tokens"]["rule"] == pytest.approx(600.0)
     assert row["later_same_earlier"] == [0, 1, 0] and row["saved"] == pytest.approx((0.0, 0.0, 0.0))
     assert "| 600k | 1k (1 of 2 seeds) |" not in escape.escape_table(runs, ["s"], "r", 0.09)  # tokens in thousands
