@@ -49,8 +49,11 @@ none after if the training loss then falls by less than 0.15 nats per e-fold of 
 ``plateau0.11``: its threshold 25% lower; ``plateau0.15@0.19`` / ``@0.31``: its verdict at 0.19 / 0.31 of the run;
 ``...+plateau0.15+exit0.3``: a run held at the verdict grows, as the default, from the first update where the loss
 falls by 0.3 nats per e-fold of tokens, off its plateau),
-``library:hold_on_plateau=0.15`` (the library's ``BatchSizeController(hold_on_plateau=0.15)``, the plateau rule as
-users get it: the loss given by ``tracker.observe_loss``, the LR's warm-up read from its schedule),
+``library:hold_on_plateau=0.15`` (the library's ``BatchSizeController(hold_on_plateau=0.15,
+plateau_tokens_per_parameter=None)``, the plateau rule as users get it, without the size gate: the loss given by
+``tracker.observe_loss``, the LR's warm-up read from its schedule), ``library:hold_on_plateau=0.15+tpp20`` (the
+same with its size gate, the library's default: a verdict that holds does not past 20 tokens per parameter of the
+model, counted by the tracker),
 ``kappa0.4-1.2+convert+plateau0.15`` (the rising ``kappa`` with every halving converted, behind the plateau rule's
 hold and verdict).
 
@@ -327,12 +330,22 @@ def _replace_after(text: str, mark: str, body: str) -> str:
     return head + mark + body + "\n" + tail
 
 
-#: the library's plateau option as the frontier runs it (``BatchSizeController(hold_on_plateau=0.15)``)
+#: the library's plateau option without its size gate (``BatchSizeController(hold_on_plateau=0.15,
+#: plateau_tokens_per_parameter=None)``), as it ran before the library had the gate
 PLATEAU_RULE = "library:hold_on_plateau=0.15"
-#: the plateau option with its hold gated by tokens per parameter, a prototype (``gpt_proof_lr.plateau_gated_by_size``)
+#: the plateau option as users get it: its hold gated at 20 tokens per parameter of the model (the library's default
+#: ``plateau_tokens_per_parameter``; its first runs wrapped the ungated option in ``gpt_proof_lr.plateau_gated_by_size``)
 GATED_RULE = "library:hold_on_plateau=0.15+tpp20"
+
+
+def option_point(by: dict[tuple[str, str, str], dict[str, Any]], setting: str, schedule: str) -> dict[str, Any] | None:
+    """The plateau option as users get it on ``setting``: the gated rule's point where it ran, else the ungated
+    option's, whose verdicts the gate cannot change there (each such run is checked by ``tests/test_frontier.py``:
+    under 20 tokens per parameter by the run's end, or a verdict that let it grow)."""
+    return by.get((setting, schedule, GATED_RULE)) or by.get((setting, schedule, PLATEAU_RULE))
 #: the README's name for each setting, and what was tuned on it: the default's ``κ`` (under cosine) and its limit
-#: ``convert_until=0.85``, the plateau option's threshold and quarter; a setting without a choice judged it
+#: ``convert_until=0.85``, the plateau option's threshold and quarter, and its size gate (made where the option held
+#: runs long for their model); a setting without a choice judged it
 README_SETTINGS = {
     "full": ("proof GPT: 2 layers × 128, code", ("`κ`", "limit", "plateau")),
     "prose": ("3 × 96, English prose", ("`κ`", "limit", "plateau")),
@@ -344,17 +357,21 @@ README_SETTINGS = {
     "long": ("4 × 80, prose, context 128", ("plateau",)),
     "narrow": ("3 × 48, prose, LR 4e-3", ()),
     "tail": ("1 × 32, prose, 190 tokens per parameter", ()),
-    "tail_long": ("the same on twice the tokens, 380 per parameter", ()),
-    "tail_code": ("1 × 48, code, 200 tokens per parameter", ()),
+    "tail_long": ("the same on twice the tokens, 380 per parameter", ("gate",)),
+    "tail_code": ("1 × 48, code, 200 tokens per parameter", ("gate",)),
     "tail_synth": ("2 × 32, the synthetic language, 240 tokens per parameter", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
 
 
 def held_out(setting: str, rule: str) -> bool:
-    """Whether nothing of ``rule`` (the default or the plateau option) was tuned on ``setting``."""
-    tuned = README_SETTINGS[setting][1]
-    return "plateau" not in tuned if rule == PLATEAU_RULE else not {"`κ`", "limit"} & set(tuned)
+    """Whether nothing of ``rule`` (the default or the plateau option, gated or not) was tuned on ``setting``."""
+    tuned = set(README_SETTINGS[setting][1])
+    if rule == PLATEAU_RULE:
+        return "plateau" not in tuned
+    if rule == GATED_RULE:
+        return not {"plateau", "gate"} & tuned
+    return not {"`κ`", "limit"} & tuned
 
 
 def _cell(p: dict[str, Any] | None) -> str:
@@ -373,8 +390,8 @@ def keeps(p: dict[str, Any]) -> bool:
 
 
 def readme_table(pts: list[dict[str, Any]]) -> str:
-    """The README's table: per setting, the default and the plateau option under cosine and WSD, and the most
-    steps any rule of four seeds or more saved there with the loss kept."""
+    """The README's table: per setting, the default and the plateau option as users get it (:func:`option_point`)
+    under cosine and WSD, and the most steps any rule of four seeds or more saved there with the loss kept."""
     by = {(p["setting"], p["schedule"], p["rule"]): p for p in pts}
     lines = ["| GPT (layers × width, data) | tuned on it | default, cosine | default, WSD | "
              "`hold_on_plateau=0.15`, cosine | `hold_on_plateau=0.15`, WSD | best any rule, in hindsight: cosine / WSD |",
@@ -384,7 +401,8 @@ def readme_table(pts: list[dict[str, Any]]) -> str:
         for sch in ("cosine", "wsd"):
             kept = [p["steps_saved"] for p in pts if (p["setting"], p["schedule"]) == (setting, sch) and keeps(p)]
             best.append(f"{max(kept):.0%}" if kept else "none")
-        cells = [_cell(by.get((setting, sch, rule))) for rule in (DEFAULT_RULE, PLATEAU_RULE) for sch in ("cosine", "wsd")]
+        cells = [_cell(by.get((setting, sch, DEFAULT_RULE))) for sch in ("cosine", "wsd")]
+        cells += [_cell(option_point(by, setting, sch)) for sch in ("cosine", "wsd")]
         lines.append(f"| {name} | {', '.join(tuned) or '—'} | " + " | ".join(cells) + f" | {best[0]} / {best[1]} |")
     return "\n".join(lines) + "\n"
 

@@ -340,6 +340,7 @@ class CBSCallback(Callback):
         if not self._params:
             raise ValueError("CBSCallback: the LightningModule has no parameter with requires_grad=True")
         self.engine.collect(self._params)
+        self.engine.give_model_size(pl_module)
         # one device, no wrapper: a backward never syncs, so a window's first gradients can be read from .grad
         self._unsynced = isinstance(trainer.strategy, SingleDeviceStrategy)
         self._apply_restored(trainer)

@@ -188,6 +188,7 @@ class CBSOlmoCallback(Callback):
         self._base_lrs = [float(g.get("initial_lr") or g["lr"]) for g in optim.param_groups]
         self._give_run_length(trainer, start)
         self._attach_hooks(module.model)
+        self.engine.give_model_size(module.model)
         if self.session.starting_accumulation * dp < 2:
             self.session.warn_once(
                 "single_microbatch",

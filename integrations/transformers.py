@@ -450,6 +450,7 @@ class CBSTrainer(Trainer):
         if not self._params:
             raise ValueError("CBSTrainer: the model has no parameter with requires_grad=True")
         engine.collect(self._params)
+        engine.give_model_size(self.model)
         # one process (FSDP and DeepSpeed are refused): a backward never syncs, so a window's
         # first gradients are read from .grad
         self._unsynced = cbs_dist.group_size(dp_group) == 1

@@ -318,6 +318,8 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
     """Run one named scenario on this rank and save its records."""
     from cbs_tracker.integrations.fsdp import FSDPTracker
 
+    from cbs_tracker.core.engine import model_parameter_count
+
     common = {"unit": "samples", "estimator": make_estimator(), "controller": make_controller()}
     acc = START_ACCUMULATION
     payload: dict[str, Any] = {}
@@ -353,6 +355,8 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
         payload["records"] = train(model, tracker, opt, steps=steps, dp_rank=rank, dp_size=world, nan_at=nan_at)
         payload["params"] = _full_params(model)
         payload["hooks"] = tracker.collector.num_hooks
+        payload["local_numel"] = sum(int(p.to_local().numel()) for p in model.parameters())
+        payload["model_parameters"] = model_parameter_count(model)
     elif name in ("ddp_schedule", "fsdp_schedule"):
         if name == "ddp_schedule":
             model = nn.parallel.DistributedDataParallel(make_model())

@@ -209,6 +209,15 @@ def test_fsdp_hooks_once_per_unsharded_parameter(two_ranks):
     assert [r["hooks"] for r in two_ranks["fsdp_every"]] == [4, 4]
 
 
+def test_every_fsdp2_rank_counts_the_whole_models_parameters(two_ranks):
+    """``hold_on_plateau``'s tokens per parameter reads the model's size: each rank holds a shard (fewer parameters
+    than the model), and every rank counts the whole, 6 x 8 + 8 + 8 + 1."""
+    whole = dw.D_IN * dw.HIDDEN + dw.HIDDEN + dw.HIDDEN + 1
+    ranks = two_ranks["fsdp_last"]
+    assert [r["model_parameters"] for r in ranks] == [whole, whole]
+    assert all(r["local_numel"] < whole for r in ranks)
+
+
 @pytest.mark.parametrize("name", ["ddp_nonfinite", "fsdp_nonfinite"])
 def test_nonfinite_rank_drops_the_step_on_every_rank(two_ranks, name):
     ranks = two_ranks[name]

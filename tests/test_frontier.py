@@ -155,16 +155,16 @@ def test_the_results_table_and_the_readme_line_are_the_committed_frontiers(front
            f"{len(held)} cells of the GPTs it was not tuned on it keeps it on {sum(map(frontier.keeps, held))}." in readme, readme
     worst = max(mine, key=lambda p: p["delta_mean"])
     assert f"it ends up to {said(worst)[0]} nats above" in readme, readme
-    plateau = [p for p in pts if p["rule"] == frontier.PLATEAU_RULE]
-    plateau_held = [p for p in plateau if frontier.held_out(p["setting"], frontier.PLATEAU_RULE)]
-    assert len(plateau) == len(mine)
-    assert f"`BatchSizeController(hold_on_plateau=0.15)`, an option, keeps the loss on {sum(map(frontier.keeps, plateau))} of " \
-           f"the {len(plateau)} ({sum(map(frontier.keeps, plateau_held))} of the {len(plateau_held)} on GPTs it was not tuned " \
+    option = [frontier.option_point(by, s, sch) for s in frontier.README_SETTINGS for sch in ("cosine", "wsd")]
+    option_held = [p for p in option if frontier.held_out(p["setting"], frontier.GATED_RULE)]
+    assert len(option) == len(mine) and None not in option
+    assert f"`BatchSizeController(hold_on_plateau=0.15)`, an option, keeps the loss on {sum(map(frontier.keeps, option))} of " \
+           f"the {len(option)} ({sum(map(frontier.keeps, option_held))} of the {len(option_held)} on GPTs it was not tuned " \
            "on)" in readme, readme
     long_settings = ("tail_long", "tail_code", "tail_synth")
     long_runs = [[(by[(s, sch, frontier.PLATEAU_RULE)], by[(s, sch, rule)]) for sch in ("cosine", "wsd")]
                  for s in long_settings]
-    assert all(o["steps_saved_range"] == [0.0, 0.0] and not any(o["deltas"]) for r in long_runs for o, _ in r)  # "never grew"
+    assert all(o["steps_saved_range"] == [0.0, 0.0] and not any(o["deltas"]) for r in long_runs for o, _ in r)  # "saved nothing"
 
     def pairs(points):  # "a / b, c / d and e / f" of the cosine and WSD values, per setting
         *head, last = [" / ".join(x) for x in points]
@@ -579,6 +579,23 @@ def test_a_plateau_rule_with_an_exit_grows_from_where_the_loss_leaves_its_platea
     assert named.plateau_exit_above == 0.3 and named.plateau_exit is None and named._kappa_at(1.0) == 0.0
     with pytest.raises(ValueError, match=r"exit=0.1.*below=0.15"):
         rule(0.1)
+
+
+def test_the_size_gate_could_not_change_a_run_of_the_ungated_option_the_readme_shows_in_its_place(frontier):
+    """Where the README's option columns show the ungated option's runs (no gated run there), the library's option
+    (gated at 20 tokens per parameter) would have decided alike: each run ends below 20 tokens per parameter of its
+    model (so no verdict reads 20), or its verdict let it grow (fewer steps than the constant run of its seed: a
+    verdict that holds holds every change), and the gate overturns only a verdict that holds."""
+    runs = json.loads((frontier.ROOT / "docs" / "frontier.json").read_text())["runs"]
+    gated = {(r["setting"], r["lr_schedule"]) for r in runs if r["rule"] == frontier.GATED_RULE}
+    constant = {(r["setting"], r["lr_schedule"], r["seed"]): r["steps"] for r in runs if r["rule"] == "constant"}
+    short = {name: s.budget_tokens < 20 * frontier.base.parameter_count(s) for name, s in frontier.base.SETTINGS.items()
+             if name in frontier.README_SETTINGS}
+    shown = [r for r in runs if r["rule"] == frontier.PLATEAU_RULE and (r["setting"], r["lr_schedule"]) not in gated]
+    for r in shown:
+        assert short[r["setting"]] or r["steps"] < constant[(r["setting"], r["lr_schedule"], r["seed"])], r["source"]
+    assert len({(r["setting"], r["lr_schedule"]) for r in shown}) == 2 * (len(frontier.README_SETTINGS) - 3)
+    assert not short["tail"] and {r["setting"] for r in shown if not short[r["setting"]]} == {"tail"}
 
 
 def test_the_readme_table_bolds_a_lost_loss_names_a_run_that_never_grew_and_takes_the_best_of_four_seeds(frontier,

@@ -87,7 +87,8 @@ def test_the_library_decides_as_the_frontiers_prototype_step_for_step(proof_lr, 
     """Same losses (with noise), noise scale and LR: the same doublings at the same steps and the same
     conversions as ``plateau_held`` on the default controller; and on the steep loss the first growth comes
     after a quarter of the run, where the default without the option grows earlier."""
-    library = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_exit=exit)
+    library = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_exit=exit,
+                                  plateau_tokens_per_parameter=None)
     prototype = proof_lr.plateau_held(BatchSizeController(total_tokens=TOTAL), below=0.15, warmup_tokens=WARMUP,
                                       total_tokens=TOTAL, exit=exit)
     ours = feed(library, loss_at, rng=random.Random(1), jitter=0.02)
@@ -104,36 +105,114 @@ def test_the_library_decides_as_the_frontiers_prototype_step_for_step(proof_lr, 
         assert bool(ours[0]) == (exit is not None)
 
 
-@pytest.mark.parametrize("parameters, grows", [(5_000, True), (10_000, False)], ids=["30-per-param", "15-per-param"])
-def test_the_size_gate_lets_a_run_past_20_tokens_per_parameter_grow_where_the_option_holds_it(proof_lr, parameters,
-                                                                                              grows):
-    """``plateau_gated_by_size`` (the frontier's ``library:hold_on_plateau=0.15+tpp20``) on the flat loss, whose
-    verdict holds: the verdict comes at a quarter of the run, 153,600 tokens, 30.7 tokens per parameter of a
-    5,000-parameter model and 15.4 of a 10,000-parameter one. Past 20 the run decides as the option does on the steep
-    loss, whose verdict lets the rule grow (the same doublings at the same steps: past the verdict only the noise
-    scale decides); below it, it holds as the option does."""
-    gated = proof_lr.plateau_gated_by_size(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15),
-                                           parameters=parameters, tokens_per_parameter=20)
-    ours = feed(gated, flat)
-    if grows:
-        assert ours == feed(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15), steep)
-        assert ours[0] and ours[0][0] * MICRO >= 0.25 * TOTAL
-        assert gated.plateau.held is False and gated.plateau.gated == pytest.approx(0.25 * TOTAL / parameters,
-                                                                                   rel=0.01)
+def ungated(**kwargs):
+    return BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_tokens_per_parameter=None, **kwargs)
+
+
+@pytest.mark.parametrize("loss_at", [steep, flat, bent], ids=["steep", "flat", "bent"])
+@pytest.mark.parametrize("parameters", [5_000, 10_000], ids=["30-per-param", "15-per-param"])
+@pytest.mark.parametrize("given", ["argument", "adapter"])
+def test_the_size_gate_decides_as_the_frontiers_prototype_and_lets_a_run_past_20_per_parameter_grow(
+        proof_lr, loss_at, parameters, given):
+    """``plateau_tokens_per_parameter`` (default 20) against ``plateau_gated_by_size`` (the frontier's first runs of
+    ``library:hold_on_plateau=0.15+tpp20``, separate code wrapped around the ungated option): the same doublings at
+    the same steps, with the count given as ``model_parameters=`` or by an adapter (``set_model_parameters``). The
+    verdict comes at a quarter of the run, 153,600 tokens: 30.7 tokens per parameter of a 5,000-parameter model,
+    15.4 of a 10,000-parameter one. On the flat loss, whose verdict holds, past 20 the run decides as the option
+    does on the steep loss, whose verdict lets the rule grow (past the verdict only the noise scale decides); below
+    it, it holds as the option does."""
+    if given == "argument":
+        library = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, model_parameters=parameters)
     else:
-        assert ours == ([], 0) and gated.plateau.held is True and gated.plateau.gated is None
-    assert gated.plateau.verdict_slope == pytest.approx(0.1, rel=1e-6)
+        library = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+        library.set_model_parameters(parameters)
+    prototype = proof_lr.plateau_gated_by_size(ungated(), parameters=parameters, tokens_per_parameter=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a known count: nothing to warn of
+        ours = feed(library, loss_at, rng=random.Random(2), jitter=0.02)
+    assert ours == feed(prototype, loss_at, rng=random.Random(2), jitter=0.02)
+    assert (library.plateau.held, library.plateau.gated) == (prototype.plateau.held, prototype.plateau.gated)
+    if loss_at is flat:
+        grows = parameters == 5_000
+        assert library.plateau.held is not grows
+        if grows:
+            assert feed(library_like := BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15,
+                                                             model_parameters=parameters), flat) == \
+                feed(ungated(), steep)
+            assert library_like.plateau.gated == pytest.approx(0.25 * TOTAL / parameters, rel=0.01)
+            assert ours[0] and ours[0][0] * MICRO >= 0.25 * TOTAL
+        else:
+            assert ours == ([], 0) and library.plateau.gated is None
     with pytest.raises(ValueError, match=r"parameters=0, tokens_per_parameter=20\): both must be > 0"):
-        proof_lr.plateau_gated_by_size(BatchSizeController(hold_on_plateau=0.15), parameters=0, tokens_per_parameter=20)
+        proof_lr.plateau_gated_by_size(ungated(), parameters=0, tokens_per_parameter=20)
     with pytest.raises(ValueError, match="has no hold_on_plateau to gate"):
         proof_lr.plateau_gated_by_size(BatchSizeController(), parameters=10, tokens_per_parameter=20)
+    with pytest.raises(ValueError, match=r"gated already \(plateau_tokens_per_parameter=20\)"):
+        proof_lr.plateau_gated_by_size(BatchSizeController(hold_on_plateau=0.15), parameters=10,
+                                       tokens_per_parameter=20)
+
+
+def test_without_the_models_size_a_holding_verdict_holds_and_says_what_to_pass():
+    """No count (a controller driven by hand, or units that are samples): the verdict holds as the ungated option's
+    does and warns once, naming ``model_parameters=`` and ``plateau_tokens_per_parameter=None``; with the gate off
+    it says nothing. A verdict that lets the rule grow needs no count and says nothing either."""
+    ctrl = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+    with pytest.warns(UserWarning, match=r"growth held; plateau_tokens_per_parameter=20 could not tell a plateau "
+                                         r"from a run long for its model.*pass model_parameters=.*"
+                                         r"plateau_tokens_per_parameter=None") as said:
+        assert feed(ctrl, flat) == feed(ungated(), flat) == ([], 0)
+    assert len([w for w in said if "could not tell" in str(w.message)]) == 1
+    assert ctrl.plateau.held is True and ctrl.model_parameters is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        feed(ungated(), flat)
+        feed(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15), steep)
+
+
+def test_the_users_count_wins_over_the_adapters_and_bad_counts_are_refused():
+    ctrl = BatchSizeController(hold_on_plateau=0.15, model_parameters=10_000)
+    ctrl.set_model_parameters(5_000)  # an adapter's count (a pipeline stage's, say): the user's wins
+    assert ctrl.model_parameters == 10_000
+    adapter = BatchSizeController(hold_on_plateau=0.15)
+    adapter.set_model_parameters(5_000)
+    adapter.set_model_parameters(6_000)  # the adapter's latest count
+    assert adapter.model_parameters == 6_000
+    for kwargs, error, match in [
+            ({"plateau_tokens_per_parameter": 0}, ValueError, r"plateau_tokens_per_parameter=0\): must be finite and > 0"),
+            ({"plateau_tokens_per_parameter": "20"}, TypeError, r"plateau_tokens_per_parameter='20'\): expected a number"),
+            ({"model_parameters": 0}, ValueError, r"model_parameters=0\): must be finite and > 0"),
+            ({"model_parameters": 1.5e6}, TypeError, r"model_parameters=1500000.0\): expected an int")]:
+        with pytest.raises(error, match=match):
+            BatchSizeController(hold_on_plateau=0.15, **kwargs)
+    with pytest.raises(ValueError, match=r"set_model_parameters\(count=0\): must be >= 1"):
+        adapter.set_model_parameters(0)
+    with pytest.raises(TypeError, match=r"set_model_parameters\(count=True\): expected an int"):
+        adapter.set_model_parameters(True)
+
+
+def test_a_run_resumed_after_a_verdict_the_gate_overturned_keeps_growing_as_the_uninterrupted_one():
+    """Saved after the verdict (the flat loss at 30.7 tokens per parameter, step 300) and before the first doubling:
+    the resumed controller keeps the gate's verdict (``plateau_gated`` in the state) and changes the batch at the
+    same steps."""
+    def make():
+        return BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, model_parameters=5_000)
+
+    whole = feed(make(), flat)
+    first = make()
+    head = feed(first, flat, steps=305)
+    assert first.plateau.gated == pytest.approx(30.7, abs=0.1)
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert (resumed.plateau.held, resumed.plateau.gated) == (False, first.plateau.gated)
+    tail = feed(resumed, flat, start=306)
+    assert head[0] == [] and tail[0] == whole[0] and whole[0][0] > 306
 
 
 def test_a_resumed_controller_decides_as_the_uninterrupted_one():
     """Saved before the verdict (its loss points in the state) and after it, loaded into a fresh controller:
     the rest of the run changes the batch at the same steps."""
     def make():
-        return BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_exit=0.3)
+        return ungated(plateau_exit=0.3)
 
     whole = feed(make(), bent)
     for cut in (250, 700):

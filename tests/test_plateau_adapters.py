@@ -118,6 +118,7 @@ def test_olmo_core_gives_each_steps_mean_cross_entropy(tmp_path):
     trainer.fit()
     slope = ctrl.plateau.slope
     assert slope.seen == len(rec.steps) == 16
+    assert ctrl.model_parameters == TransformerConfig.olmo2_1M(vocab_size=256).num_params  # from its config
     model = TransformerConfig.olmo2_1M(vocab_size=256).build(init_device="cpu").double()
     truth = []
     for step in rec.steps[-len(slope.points):]:
@@ -159,3 +160,38 @@ def test_an_accelerate_loop_gives_each_steps_mean_microbatch_loss_with_the_guide
                 optimizer.step()
                 optimizer.zero_grad()
     check_points(ctrl, losses, 2)
+
+
+@pytest.mark.parametrize("unit", ["tokens", "samples"])
+@pytest.mark.parametrize("adapter", ["lightning", "hf-trainer", "accelerate"])
+def test_each_adapter_gives_the_models_parameter_count_where_its_units_are_tokens(tmp_path, adapter, unit):
+    """``plateau_tokens_per_parameter`` reads the model's size, which each adapter counts on the model it tracks
+    (checked against the layers' shapes: ``Linear(8, 1)``, 9 parameters; the distributed workers' two layers,
+    6 x 8 + 8 + 8 + 1); in samples there are no tokens per parameter to read, and none is given."""
+    ctrl = held_controller()
+    if adapter == "lightning":
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, max_steps=2,
+                             accumulate_grad_batches=2, callbacks=[CBSCallback(controller=ctrl, unit=unit)])
+        trainer.fit(lightning_workers.Regression(),
+                    torch.utils.data.DataLoader(lightning_workers.regression_data(16), batch_size=2))
+        whole = lightning_workers.D_IN + 1
+    elif adapter == "hf-trainer":
+        from cbs_tracker.integrations.transformers import CBSTrainer
+
+        trainer = CBSTrainer(model=hf_workers.Regression(), args=hf_workers.training_args(str(tmp_path), max_steps=2),
+                             train_dataset=hf_workers.regression_data(16), unit=unit, controller=ctrl)
+        trainer.train()
+        whole = hf_workers.D_IN + 1
+    else:
+        from cbs_tracker.integrations.accelerate import AcceleratorTracker
+
+        from tests import accelerate_workers as aw
+        from tests import dist_workers as dw
+
+        acc = aw.make_accelerator(1, gradient_accumulation_steps=2)
+        net = dw.make_model(torch.float64)
+        model, optimizer = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        AcceleratorTracker(acc, model, optimizer, controller=ctrl, unit=unit)
+        whole = dw.D_IN * dw.HIDDEN + dw.HIDDEN + dw.HIDDEN + 1
+    assert ctrl.model_parameters == (whole if unit == "tokens" else None)

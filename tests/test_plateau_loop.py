@@ -34,7 +34,7 @@ def steep(t):
     return 3 - 0.4 * math.log(t) + wobble(t)
 
 
-def run(rank, world, loss_at, *, hold=0.15, measure_every=3, save_at=None, state=None):
+def run(rank, world, loss_at, *, hold=0.15, measure_every=3, save_at=None, state=None, unit="samples", **options):
     """``STEPS`` steps of the plain workers' regression with ``CBSTracker``; each microbatch gives
     ``loss_at(units after its step)`` (a tensor) to ``observe_loss``. Returns the steps' (units, accumulation,
     planted loss) and the controller; with ``save_at``, also the checkpoint (model, optimizer, tracker) after
@@ -46,8 +46,8 @@ def run(rank, world, loss_at, *, hold=0.15, measure_every=3, save_at=None, state
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(inner.parameters(), lr=0.05)
     controller = BatchSizeController(kappa=1.0, warmup_steps=20, warmup_tokens=0, cooldown_tokens=64, patience=4,
-                                     window=8, max_batch=256, hold_on_plateau=hold)
-    tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit="samples", controller=controller,
+                                     window=8, max_batch=256, hold_on_plateau=hold, **options)
+    tracker = CBSTracker(model, optimizer, accumulation_steps=2, unit=unit, controller=controller,
                          measure_every=measure_every)
     rows, step, saved = [], 0, None
     if state is not None:
@@ -96,6 +96,24 @@ def test_a_plain_loop_holds_on_a_planted_plateau_and_grows_past_a_quarter_on_a_f
         assert plateau.held is False and grew and grew[0] >= plateau.verdict_tokens
         unheld, _ = run(0, 1, loss_at, hold=None)
         assert [t for (t, a, _), (_, b, _) in zip(unheld, unheld[1:]) if b != a][0] < 0.25 * total
+
+
+@pytest.mark.parametrize("parameters", [None, 1_000], ids=["the-trackers-count", "the-users-count"])
+def test_in_tokens_the_tracker_gives_the_models_size_and_a_run_long_for_it_is_not_held(parameters):
+    """Units counted as tokens: the tracker gives the controller the model's size (``Linear(8, 1)``, 8 parameters).
+    The planted plateau's verdict, at 2,000 tokens, comes 250 tokens per parameter in: the run is not held and
+    changes its batch at the steps of the falling loss, whose verdict lets the rule grow (past it only the noise
+    scale decides). With the user's count, 1,000, it is 2 per parameter, and the run holds as in samples."""
+    rows, ctrl = run(0, 1, flat, unit="tokens", model_parameters=parameters)
+    accumulations = [a for _, a, _ in rows]
+    if parameters is None:
+        assert ctrl.model_parameters == plain_workers.D
+        assert ctrl.plateau.held is False and ctrl.plateau.gated == pytest.approx(2_000 / 8, rel=0.01)
+        falling, _ = run(0, 1, steep, unit="tokens")
+        assert accumulations == [a for _, a, _ in falling] and max(accumulations) > 2
+    else:
+        assert ctrl.model_parameters == 1_000
+        assert ctrl.plateau.held is True and ctrl.plateau.gated is None and set(accumulations) == {2}
 
 
 def _worker(rank, world, init_file, out_dir):

@@ -94,10 +94,12 @@ _GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
 #: and none after it either if the training loss then falls by less than 0.15 nats per e-fold of tokens
 #: (:func:`plateau_held`); ``..._plateau15_at19``: the verdict at 0.19 of the run in place of a quarter;
 #: ``..._plateau15_exit30``: a run held at the verdict grows from the first update where the slope reaches 0.3
-#: ``tracker_library_plateau15``: the library's ``BatchSizeController(hold_on_plateau=0.15)`` with the run's length,
-#: given each microbatch's loss by ``tracker.observe_loss`` (the prototype above, as users get it);
-#: ``tracker_library_plateau15_tpp20``: the same, its hold applying only below 20 tokens per parameter of the model at
-#: the verdict (:func:`plateau_gated_by_size`)
+#: ``tracker_library_plateau15``: the library's ``BatchSizeController(hold_on_plateau=0.15,
+#: plateau_tokens_per_parameter=None)`` with the run's length, given each microbatch's loss by
+#: ``tracker.observe_loss`` (the prototype above, as users get it; as it was before the library had the size gate);
+#: ``tracker_library_plateau15_tpp20``: ``BatchSizeController(hold_on_plateau=0.15, plateau_tokens_per_parameter=20)``,
+#: the model's parameter count given by the tracker, as users get it (the first runs of it wrapped the ungated
+#: controller in :func:`plateau_gated_by_size`, which decides alike: ``tests/test_plateau.py``)
 _LIBRARY_PLATEAU_RUN = re.compile(r"tracker_library_plateau(\d\d)(?:_tpp(\d+))?")
 _PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?(?:_exit(\d\d))?")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
@@ -332,14 +334,18 @@ def plateau_held(controller: Any, *, below: float, warmup_tokens: float, total_t
 def plateau_gated_by_size(controller: Any, *, parameters: int, tokens_per_parameter: float) -> Any:
     """``controller`` (a ``BatchSizeController`` with ``hold_on_plateau``), changed in place so that a verdict that
     holds holds only if the run has seen fewer than ``tokens_per_parameter`` tokens per parameter of the model
-    (``parameters``) by then; past that, the growth rule is in force as on a verdict that does not hold. A prototype
-    for the frontier, not the library's: a loss that falls slowly early in a model's training sits on a plateau it
-    will leave (growth there cost the loss), one that falls slowly after many tokens per parameter is a run long for
-    its model (growth there kept it), and the nats threshold alone cannot tell the two apart."""
+    (``parameters``) by then; past that, the growth rule is in force as on a verdict that does not hold. The prototype
+    the library's ``plateau_tokens_per_parameter`` was made from, kept as the reference its test compares it with
+    (``controller`` must not have that gate itself): a loss that falls slowly early in a model's training sits on a
+    plateau it will leave (growth there cost the loss), one that falls slowly after many tokens per parameter is a
+    run long for its model (growth there kept it), and the nats threshold alone cannot tell the two apart."""
     from cbs_tracker.policy.plateau import PlateauHold
 
     if not controller.plateau.active:
         raise ValueError("plateau_gated_by_size: the controller has no hold_on_plateau to gate")
+    if controller.plateau.tokens_per_parameter is not None:
+        raise ValueError("plateau_gated_by_size: the controller is gated already (plateau_tokens_per_parameter="
+                         f"{controller.plateau.tokens_per_parameter:g}); build it with plateau_tokens_per_parameter=None")
     if not parameters > 0 or not tokens_per_parameter > 0:
         raise ValueError(f"plateau_gated_by_size(parameters={parameters!r}, tokens_per_parameter="
                          f"{tokens_per_parameter!r}): both must be > 0")
@@ -428,12 +434,10 @@ def _controller_of(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController(total_tokens=setting.budget_tokens)
     library_plateau = _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule)
     if library_plateau is not None:  # the library's default with its hold_on_plateau, the loss from the tracker
-        controller = BatchSizeController(total_tokens=setting.budget_tokens,
-                                         hold_on_plateau=int(library_plateau.group(1)) / 100)
-        if library_plateau.group(2) is not None:
-            plateau_gated_by_size(controller, parameters=base.parameter_count(setting),
-                                  tokens_per_parameter=int(library_plateau.group(2)))
-        return controller
+        gate = library_plateau.group(2)  # the size gate's tokens per parameter (the tracker gives the model's count)
+        return BatchSizeController(total_tokens=setting.budget_tokens,
+                                   hold_on_plateau=int(library_plateau.group(1)) / 100,
+                                   plateau_tokens_per_parameter=None if gate is None else float(gate))
     until_run = _UNTIL_RUN.fullmatch(run.schedule)
     if until_run is not None:
         # late halvings of the scheduled LR left to decay (convert_until of the run's length, which it is given)

@@ -77,6 +77,12 @@ class EngineSettings:
         )
 
 
+def model_parameter_count(model: nn.Module) -> int:
+    """The parameters of ``model``: each shared one once (``parameters()`` yields it once), a sharded one whole (a
+    ``DTensor``'s ``numel`` is its global size), so every rank of a data-parallel or FSDP2 run counts alike."""
+    return sum(int(p.numel()) for p in model.parameters())
+
+
 class Engine:
     """The collector, the reduction of a window and the session of one tracked run.
 
@@ -131,6 +137,17 @@ class Engine:
         collector.timed = self.session.cadence.auto  # no clock read unless "auto" weighs the time
         self.collector = collector
         return collector
+
+    def give_model_size(self, model: nn.Module) -> None:
+        """The parameter count of ``model`` to a controller that reads it (``hold_on_plateau``'s tokens per
+        parameter), where the units are tokens: each shared parameter once, a sharded one (a ``DTensor``) whole,
+        so every data-parallel rank gives the same count."""
+        setter = getattr(self.session.controller, "set_model_parameters", None)
+        if setter is None or self.settings.unit != "tokens":
+            return
+        count = model_parameter_count(model)
+        if count > 0:
+            setter(count)
 
     def remove(self, *, forget: bool = True) -> None:
         """Remove the collector's hooks and detach the session from the LR scheduler.

@@ -195,6 +195,7 @@ class LoopTracker:
         self.session.detect_outside_lr = optimizer is not None
         self._module = self._unwrap(model)
         self._all_params: list[nn.Parameter] = list(self._module.parameters())
+        self.engine.give_model_size(self._module)
         self._avg_ranks = self._averaging_ranks(grads_averaged_over_ranks)
         self.engine.collect([], register=False)  # hooked below, and at each measured window's start
         self._window_params: list[nn.Parameter] = []

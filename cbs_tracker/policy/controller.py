@@ -192,7 +192,8 @@ class BatchSizeController:
             hold for the rest of the run; otherwise the rule is in force from then on. ``None`` (default):
             off. ``0.15`` kept the loss on 25 of 26 small-GPT settings and schedules where the default kept
             it on 16, saving fewer steps (results.md): a hypothesis read off eight of them, in nats, which
-            a run long for its model falls slower than a quarter in (held there, it saves nothing). It needs each
+            a run long for its model falls slower than a quarter in; past ``plateau_tokens_per_parameter`` such
+            a run is not held (see there). It needs each
             step's training loss (:meth:`observe_loss`; the adapters pass it where they see the loss);
             with none at the verdict it warns and does nothing. Without the run's length nothing is held
             (said once). A budget plan (``budget_tokens``) is not held.
@@ -250,6 +251,19 @@ class BatchSizeController:
         plateau_exit: with ``hold_on_plateau``, a run held at the verdict grows again from the first update
             where the slope reaches ``plateau_exit`` (at least ``hold_on_plateau``). ``None`` (default): a
             held run never grows.
+        plateau_tokens_per_parameter: with ``hold_on_plateau``, a verdict that would hold does not where the
+            run has seen at least this many units (tokens) per parameter of the model by then: a loss that falls
+            slowly that far into training is a run long for its model, not a plateau. Default 20 (Chinchilla's
+            compute-optimal ratio, chosen before any run; on three small GPTs trained on 200-380 tokens per
+            parameter the option held and saved nothing, and with it grew and kept the loss, one of them held
+            out; results.md). At the default ``plateau_at`` a run of fewer than 80 tokens per parameter in all
+            reaches it only where its verdict waited past the quarter for a readable slope. ``None``:
+            hold whatever the run's length. The count is ``model_parameters``, or what an adapter gives
+            (:meth:`set_model_parameters`); unknown, a holding verdict holds and warns.
+        model_parameters: the model's parameter count (each shared parameter once, a sharded one whole), for
+            ``plateau_tokens_per_parameter``. ``None`` (default): the adapter's (counted on the model it tracks,
+            where its units are tokens); give it where that count is not the model's (a pipeline stage's
+            parameters are only part of it).
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an argument out of range, or inconsistent bounds.
@@ -291,6 +305,8 @@ class BatchSizeController:
         plan_floor_ratio: float = 0.5,
         plateau_at: float = 0.25,
         plateau_exit: float | None = None,
+        plateau_tokens_per_parameter: float | None = 20.0,
+        model_parameters: int | None = None,
     ) -> None:
         self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
         self._kappa_start = self._kappa_now  # a constant kappa at the run's start (before its rise)
@@ -337,6 +353,8 @@ class BatchSizeController:
             )
         _check_number("budget_tokens", budget_tokens, allow_none=True)
         _check_plateau(hold_on_plateau, plateau_at, plateau_exit)
+        _check_number("plateau_tokens_per_parameter", plateau_tokens_per_parameter, allow_none=True)
+        _check_number("model_parameters", model_parameters, allow_none=True, integer=True)
         _check_number("plan_s", plan_s)
         _check_number("plan_beta", plan_beta)
         _check_number("plan_floor_ratio", plan_floor_ratio)
@@ -396,7 +414,10 @@ class BatchSizeController:
         self._conversion = LRDecayConversion()
         self._efficiency = EfficiencyBudget(self)
         self._plateau = PlateauHold(None if hold_on_plateau is None else float(hold_on_plateau), float(plateau_at),
-                                    None if plateau_exit is None else float(plateau_exit))
+                                    None if plateau_exit is None else float(plateau_exit),
+                                    None if plateau_tokens_per_parameter is None else float(plateau_tokens_per_parameter))
+        self._plateau.parameters = model_parameters
+        self._parameters_given = model_parameters is not None  # the user's count wins over an adapter's
         self.kappa_rise = float(kappa_rise)
         self._warned_no_run_length: set[str] = set()  # the options said to lack the run's length
         self._resumed_without_lr_reference = False  # set by load_state_dict, cleared at the first scheduled LR
@@ -475,6 +496,29 @@ class BatchSizeController:
         self._efficiency.run_length = float(units)
         self._apply_run_length()
         self._kappa_now = self._kappa_at(self._level.last_tokens)  # a length given mid-run moves kappa now
+
+    def set_model_parameters(self, count: int) -> None:
+        """The parameter count of the model the run trains (each shared parameter once, a sharded one whole), as
+        an adapter counts it where its units are tokens: for ``plateau_tokens_per_parameter``. A
+        ``model_parameters=`` given to the controller wins and is kept. Configuration, not saved: a resumed run's
+        adapter gives it again.
+
+        Raises:
+            TypeError: ``count`` is not an int.
+            ValueError: ``count`` is not >= 1.
+        """
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise TypeError(f"BatchSizeController.set_model_parameters(count={count!r}): expected an int (the "
+                            f"model's parameter count), got {type(count).__name__}")
+        if count < 1:
+            raise ValueError(f"BatchSizeController.set_model_parameters(count={count!r}): must be >= 1")
+        if not self._parameters_given:
+            self._plateau.parameters = count
+
+    @property
+    def model_parameters(self) -> int | None:
+        """The model's parameter count the plateau verdict reads (``None``: unknown)."""
+        return self._plateau.parameters
 
     def _apply_run_length(self) -> None:
         """``total_tokens`` takes the adapter's run length unless the user gave one."""

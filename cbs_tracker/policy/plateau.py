@@ -5,7 +5,10 @@ On the small GPTs of the frontier, every rule that grew the batch while the loss
 the loss fell faster, growth kept it. :class:`LossSlope` fits the loss against the log of the tokens,
 ``-dL / d ln T``, by least squares over the second half of the tokens seen (from twice the LR's warm-up on);
 :class:`PlateauHold` holds growth until ``at`` of the run, reads the slope there once, and holds for good
-below ``below`` (unless the slope later reaches ``exit``); otherwise the controller's rule is in force. On
+below ``below`` (unless the slope later reaches ``exit``); otherwise the controller's rule is in force. A loss
+that falls slowly after many tokens per parameter of the model is a run long for its model, not a plateau: with
+``tokens_per_parameter`` and the model's size known, a verdict that would hold past that many tokens per parameter
+does not hold. On
 several data-parallel ranks each point is the mean over the ranks (the session reduces it), so every rank fits the
 same points and decides alike.
 """
@@ -109,11 +112,17 @@ class PlateauHold:
     """Growth held until ``at`` of the run; there, one verdict from the loss's slope: below ``below`` the run
     holds (until the slope reaches ``exit``, if given), otherwise the controller's rule is in force from then on.
     Where the slope cannot be read yet at ``at`` (a warm-up longer than ``at / 2.5`` of the run, or fewer than
-    :data:`MIN_POINTS` losses) the verdict waits for it, held; with no loss at all it does nothing.
+    :data:`MIN_POINTS` losses) the verdict waits for it, held; with no loss at all it does nothing. With
+    ``tokens_per_parameter``, a verdict that would hold does not where the run has seen at least that many units per
+    parameter of the model (:attr:`parameters`, given by the controller; unknown, the verdict holds and says so).
     """
 
-    def __init__(self, below: float | None, at: float, exit: float | None) -> None:
+    def __init__(self, below: float | None, at: float, exit: float | None,
+                 tokens_per_parameter: float | None = None) -> None:
         self.below, self.at, self.exit = below, at, exit
+        self.tokens_per_parameter = tokens_per_parameter
+        self.parameters: int | None = None  # the model's parameter count (configuration, not saved)
+        self.gated: float | None = None  # the tokens per parameter at a verdict that would have held and did not
         self.slope = LossSlope()
         self.waiting_said = False  # the verdict is due and waits for a readable slope (said once)
         self.held: bool | None = None  # None: no verdict yet
@@ -169,11 +178,34 @@ class PlateauHold:
                     "held until it can be")
         self.verdict_tokens, self.verdict_slope = tokens, slope
         self.held = slope < self.below  # type: ignore[operator]
-        if not (self.held and self.exit is not None):
-            self.slope.clear()  # the verdict is final: no more points are needed
-        return (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): slope {slope:.3f} nats per "
+        said = (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): slope {slope:.3f} nats per "
                 "e-fold of tokens; " + (f"below {self.below:g}, growth held" if self.held else
                                         f"at least {self.below:g}, the growth rule is in force"))
+        if self.held:
+            said += self._gate(tokens)
+        if not (self.held and self.exit is not None):
+            self.slope.clear()  # the verdict is final: no more points are needed
+        return said
+
+    def _gate(self, tokens: float) -> str:
+        """A holding verdict read against the run's tokens per parameter: past ``tokens_per_parameter`` it does
+        not hold; returns what to add to the verdict."""
+        bound = self.tokens_per_parameter
+        if bound is None:
+            return ""
+        if self.parameters is None:
+            self.warn = True
+            return (f"; plateau_tokens_per_parameter={bound:g} could not tell a plateau from a run long for its "
+                    "model: the model's parameter count is unknown (the adapters give it where the units are "
+                    "tokens; with tokens, pass model_parameters=; otherwise plateau_tokens_per_parameter=None holds "
+                    "without it)")
+        per_parameter = tokens / self.parameters
+        if per_parameter < bound:
+            return f" ({per_parameter:.3g} tokens per parameter, below plateau_tokens_per_parameter={bound:g})"
+        self.held, self.gated = False, per_parameter
+        return (f"; but the run has seen {per_parameter:.3g} tokens per parameter, at least "
+                f"plateau_tokens_per_parameter={bound:g}: a run long for its model, not a plateau, so the growth "
+                "rule is in force")
 
     @property
     def collecting(self) -> bool:
@@ -185,7 +217,8 @@ class PlateauHold:
         if not self.active:
             return {}  # a controller without the option saves the keys it always saved
         return {**self.slope.state_dict(), "plateau_held": self.held, "plateau_verdict_slope": self.verdict_slope,
-                "plateau_verdict_tokens": self.verdict_tokens, "plateau_exit_tokens": self.exit_tokens}
+                "plateau_verdict_tokens": self.verdict_tokens, "plateau_exit_tokens": self.exit_tokens,
+                "plateau_gated": self.gated}
 
     @staticmethod
     def parse_state(read: StateReader) -> dict[str, Any]:
@@ -193,7 +226,7 @@ class PlateauHold:
         if held is not None and not isinstance(held, bool):
             raise TypeError(f"{read.owner}: state['plateau_held']={held!r}: expected True, False or None")
         parsed = {"slope": LossSlope.parse_state(read), "held": held}
-        for key in ("verdict_slope", "verdict_tokens", "exit_tokens"):
+        for key in ("verdict_slope", "verdict_tokens", "exit_tokens", "gated"):
             value = read.state.get("plateau_" + key)
             if value is not None and not _finite(value):
                 raise TypeError(f"{read.owner}: state['plateau_{key}']={value!r}: expected a finite number or None")
@@ -204,3 +237,4 @@ class PlateauHold:
         self.slope.assign(parsed["slope"])
         self.held, self.verdict_slope = parsed["held"], parsed["verdict_slope"]
         self.verdict_tokens, self.exit_tokens = parsed["verdict_tokens"], parsed["exit_tokens"]
+        self.gated = parsed["gated"]
