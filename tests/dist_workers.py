@@ -357,6 +357,13 @@ def scenario(name: str, rank: int, world: int, out_dir: str, steps: int) -> None
         payload["hooks"] = tracker.collector.num_hooks
         payload["local_numel"] = sum(int(p.to_local().numel()) for p in model.parameters())
         payload["model_parameters"] = model_parameter_count(model)
+        if name == "fsdp_last":  # a tracker in tokens gives its controller the whole model's count
+            from cbs_tracker.policy.controller import BatchSizeController
+
+            tracker.remove_hooks()
+            in_tokens = BatchSizeController(hold_on_plateau=0.15)
+            FSDPTracker(model, opt, accumulation_steps=acc, unit="tokens", controller=in_tokens).remove_hooks()
+            payload["controller_parameters"] = [in_tokens.model_parameters, in_tokens.plateau.in_samples]
     elif name in ("ddp_schedule", "fsdp_schedule"):
         if name == "ddp_schedule":
             model = nn.parallel.DistributedDataParallel(make_model())

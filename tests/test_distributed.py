@@ -216,6 +216,7 @@ def test_every_fsdp2_rank_counts_the_whole_models_parameters(two_ranks):
     ranks = two_ranks["fsdp_last"]
     assert [r["model_parameters"] for r in ranks] == [whole, whole]
     assert all(r["local_numel"] < whole for r in ranks)
+    assert [r["controller_parameters"] for r in ranks] == [[whole, False], [whole, False]]  # FSDPTracker, in tokens
 
 
 @pytest.mark.parametrize("name", ["ddp_nonfinite", "fsdp_nonfinite"])

@@ -620,3 +620,14 @@ def test_the_readme_table_bolds_a_lost_loss_names_a_run_that_never_grew_and_take
     # cosine: mean +0.020, sd 0.00082, upper end +0.020 + 2.353 x 0.00041; WSD plateau: mean -0.003, sd 0.006
     assert lines[2] == ("| proof GPT | `κ` | **+0.020 (+0.021)**, 60% | −0.010 (−0.009), 50% | never grew | "
                         "−0.003 (+0.004), 5% | 70% / 50% |")
+
+
+def test_the_plateau_rules_build_the_library_option_with_and_without_its_size_gate(frontier):
+    """``library:hold_on_plateau=0.15`` is the option with the gate off (its committed runs predate the gate), and
+    ``...+tpp20`` the option as users get it (the library's default gate, 20 tokens per parameter)."""
+    proof_lr, setting = frontier.proof_lr, frontier.base.SETTINGS["tail_synth"]
+    off, on = (proof_lr.make_controller(proof_lr.Run(frontier.RULES[rule], 0, "cosine"), setting)
+               for rule in (frontier.PLATEAU_RULE, frontier.GATED_RULE))
+    assert (off.plateau.below, off.plateau.tokens_per_parameter) == (0.15, None)
+    assert (on.plateau.below, on.plateau.tokens_per_parameter) == (0.15, 20.0)
+    assert on.total_tokens == off.total_tokens == setting.budget_tokens

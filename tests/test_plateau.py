@@ -169,6 +169,20 @@ def test_without_the_models_size_a_holding_verdict_holds_and_says_what_to_pass()
         feed(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15), steep)
 
 
+def test_in_samples_the_gate_is_not_read_and_a_holding_verdict_says_so_without_a_warning(caplog):
+    """Units that are samples (an adapter says so): a holding verdict holds, whatever the count (here one that would
+    be 30.7 per parameter in tokens), says at INFO that the gate is not read, and warns of nothing."""
+    import logging
+
+    ctrl = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, model_parameters=5_000)
+    ctrl.set_model_parameters(5_000, unit="samples")
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="cbs_tracker"):
+        warnings.simplefilter("error")
+        assert feed(ctrl, flat) == ([], 0)
+    assert ctrl.plateau.held is True and ctrl.plateau.gated is None
+    assert "the units are samples: plateau_tokens_per_parameter=20 is not read" in caplog.text
+
+
 def test_the_users_count_wins_over_the_adapters_and_bad_counts_are_refused():
     ctrl = BatchSizeController(hold_on_plateau=0.15, model_parameters=10_000)
     ctrl.set_model_parameters(5_000)  # an adapter's count (a pipeline stage's, say): the user's wins
@@ -180,7 +194,7 @@ def test_the_users_count_wins_over_the_adapters_and_bad_counts_are_refused():
     for kwargs, error, match in [
             ({"plateau_tokens_per_parameter": 0}, ValueError, r"plateau_tokens_per_parameter=0\): must be finite and > 0"),
             ({"plateau_tokens_per_parameter": "20"}, TypeError, r"plateau_tokens_per_parameter='20'\): expected a number"),
-            ({"model_parameters": 0}, ValueError, r"model_parameters=0\): must be finite and > 0"),
+            ({"model_parameters": 0}, ValueError, r"model_parameters=0\): must be >= 1"),
             ({"model_parameters": 1.5e6}, TypeError, r"model_parameters=1500000.0\): expected an int")]:
         with pytest.raises(error, match=match):
             BatchSizeController(hold_on_plateau=0.15, **kwargs)
@@ -188,6 +202,9 @@ def test_the_users_count_wins_over_the_adapters_and_bad_counts_are_refused():
         adapter.set_model_parameters(0)
     with pytest.raises(TypeError, match=r"set_model_parameters\(count=True\): expected an int"):
         adapter.set_model_parameters(True)
+    with pytest.raises(ValueError, match=r"set_model_parameters\(unit='bytes'\): must be 'tokens' or 'samples'"):
+        adapter.set_model_parameters(10, unit="bytes")
+    assert BatchSizeController(hold_on_plateau=0.15, model_parameters=np.int64(7)).model_parameters == 7
 
 
 def test_a_run_resumed_after_a_verdict_the_gate_overturned_keeps_growing_as_the_uninterrupted_one():
@@ -206,6 +223,9 @@ def test_a_run_resumed_after_a_verdict_the_gate_overturned_keeps_growing_as_the_
     assert (resumed.plateau.held, resumed.plateau.gated) == (False, first.plateau.gated)
     tail = feed(resumed, flat, start=306)
     assert head[0] == [] and tail[0] == whole[0] and whole[0][0] > 306
+    for bad in ({"plateau_gated": -1.0}, {"plateau_gated": 30.7, "plateau_held": True}):
+        with pytest.raises(ValueError, match=r"state\['plateau_gated'\]=.*does not hold"):
+            make().load_state_dict({**first.state_dict(), **bad})
 
 
 def test_a_resumed_controller_decides_as_the_uninterrupted_one():

@@ -162,12 +162,29 @@ def test_an_accelerate_loop_gives_each_steps_mean_microbatch_loss_with_the_guide
     check_points(ctrl, losses, 2)
 
 
+def test_a_shared_weight_counts_once():
+    """A language model whose output layer shares the embedding's weight (as GPT-2's does): 11 x 5 + 5 x 5 + 5
+    parameters, the shared 11 x 5 once."""
+    from cbs_tracker import CBSTracker
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mix = torch.nn.Embedding(11, 5), torch.nn.Linear(5, 5)
+            self.head = torch.nn.Linear(5, 11, bias=False)
+            self.head.weight = self.emb.weight
+
+    model, ctrl = Tied(), held_controller()
+    CBSTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), controller=ctrl, unit="tokens").remove_hooks()
+    assert ctrl.model_parameters == 11 * 5 + 5 * 5 + 5
+
+
 @pytest.mark.parametrize("unit", ["tokens", "samples"])
 @pytest.mark.parametrize("adapter", ["lightning", "hf-trainer", "accelerate"])
-def test_each_adapter_gives_the_models_parameter_count_where_its_units_are_tokens(tmp_path, adapter, unit):
+def test_each_adapter_gives_the_models_parameter_count_and_its_unit(tmp_path, adapter, unit):
     """``plateau_tokens_per_parameter`` reads the model's size, which each adapter counts on the model it tracks
     (checked against the layers' shapes: ``Linear(8, 1)``, 9 parameters; the distributed workers' two layers,
-    6 x 8 + 8 + 8 + 1); in samples there are no tokens per parameter to read, and none is given."""
+    6 x 8 + 8 + 8 + 1), and the run's unit: in samples there are no tokens per parameter to read."""
     ctrl = held_controller()
     if adapter == "lightning":
         trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
@@ -194,4 +211,4 @@ def test_each_adapter_gives_the_models_parameter_count_where_its_units_are_token
         model, optimizer = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
         AcceleratorTracker(acc, model, optimizer, controller=ctrl, unit=unit)
         whole = dw.D_IN * dw.HIDDEN + dw.HIDDEN + dw.HIDDEN + 1
-    assert ctrl.model_parameters == (whole if unit == "tokens" else None)
+    assert ctrl.model_parameters == whole and ctrl.plateau.in_samples == (unit == "samples")

@@ -361,7 +361,7 @@ def plateau_gated_by_size(controller: Any, *, parameters: int, tokens_per_parame
             return said
 
     controller.plateau.__class__ = SizeGated
-    controller.plateau.gated = None  # the tokens per parameter at a verdict the gate overturned (not saved)
+    controller.plateau.gated = None  # the tokens per parameter at a verdict the gate overturned
     return controller
 
 

@@ -139,15 +139,13 @@ class Engine:
         return collector
 
     def give_model_size(self, model: nn.Module) -> None:
-        """The parameter count of ``model`` to a controller that reads it (``hold_on_plateau``'s tokens per
-        parameter), where the units are tokens: each shared parameter once, a sharded one (a ``DTensor``) whole,
-        so every data-parallel rank gives the same count."""
+        """The parameter count of ``model`` and the run's unit to a controller that reads them (``hold_on_plateau``'s
+        tokens per parameter, read only where the units are tokens): each shared parameter once, a sharded one (a
+        ``DTensor``) whole, so every data-parallel rank gives the same count."""
         setter = getattr(self.session.controller, "set_model_parameters", None)
-        if setter is None or self.settings.unit != "tokens":
-            return
         count = model_parameter_count(model)
-        if count > 0:
-            setter(count)
+        if setter is not None and count > 0:
+            setter(count, unit=self.settings.unit)
 
     def remove(self, *, forget: bool = True) -> None:
         """Remove the collector's hooks and detach the session from the LR scheduler.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -259,11 +260,14 @@ class BatchSizeController:
             out; results.md). At the default ``plateau_at`` a run of fewer than 80 tokens per parameter in all
             reaches it only where its verdict waited past the quarter for a readable slope. ``None``:
             hold whatever the run's length. The count is ``model_parameters``, or what an adapter gives
-            (:meth:`set_model_parameters`); unknown, a holding verdict holds and warns.
+            (:meth:`set_model_parameters`); unknown, a holding verdict holds and warns. Read only where the units
+            are tokens (in samples the verdict says so). A verdict is read once: a state saved before this gate
+            existed resumes with its verdict as it was.
         model_parameters: the model's parameter count (each shared parameter once, a sharded one whole), for
-            ``plateau_tokens_per_parameter``. ``None`` (default): the adapter's (counted on the model it tracks,
-            where its units are tokens); give it where that count is not the model's (a pipeline stage's
-            parameters are only part of it).
+            ``plateau_tokens_per_parameter``. ``None`` (default): the adapter's (counted on the model it tracks);
+            give it where that count is not the model's (a module that also holds an EMA copy or a frozen
+            teacher; tensor parallelism by hand, without ``DTensor``, where each rank holds a part). Read only
+            where the units are tokens.
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an argument out of range, or inconsistent bounds.
@@ -354,7 +358,12 @@ class BatchSizeController:
         _check_number("budget_tokens", budget_tokens, allow_none=True)
         _check_plateau(hold_on_plateau, plateau_at, plateau_exit)
         _check_number("plateau_tokens_per_parameter", plateau_tokens_per_parameter, allow_none=True)
-        _check_number("model_parameters", model_parameters, allow_none=True, integer=True)
+        if model_parameters is not None and (isinstance(model_parameters, bool)
+                                             or not isinstance(model_parameters, numbers.Integral)):
+            raise TypeError(f"BatchSizeController(model_parameters={model_parameters!r}): expected an int (the model's "
+                            f"parameter count), got {type(model_parameters).__name__}")
+        if model_parameters is not None and model_parameters < 1:
+            raise ValueError(f"BatchSizeController(model_parameters={model_parameters!r}): must be >= 1")
         _check_number("plan_s", plan_s)
         _check_number("plan_beta", plan_beta)
         _check_number("plan_floor_ratio", plan_floor_ratio)
@@ -416,7 +425,7 @@ class BatchSizeController:
         self._plateau = PlateauHold(None if hold_on_plateau is None else float(hold_on_plateau), float(plateau_at),
                                     None if plateau_exit is None else float(plateau_exit),
                                     None if plateau_tokens_per_parameter is None else float(plateau_tokens_per_parameter))
-        self._plateau.parameters = model_parameters
+        self._plateau.parameters = None if model_parameters is None else int(model_parameters)
         self._parameters_given = model_parameters is not None  # the user's count wins over an adapter's
         self.kappa_rise = float(kappa_rise)
         self._warned_no_run_length: set[str] = set()  # the options said to lack the run's length
@@ -497,23 +506,27 @@ class BatchSizeController:
         self._apply_run_length()
         self._kappa_now = self._kappa_at(self._level.last_tokens)  # a length given mid-run moves kappa now
 
-    def set_model_parameters(self, count: int) -> None:
+    def set_model_parameters(self, count: int, *, unit: str = "tokens") -> None:
         """The parameter count of the model the run trains (each shared parameter once, a sharded one whole), as
-        an adapter counts it where its units are tokens: for ``plateau_tokens_per_parameter``. A
-        ``model_parameters=`` given to the controller wins and is kept. Configuration, not saved: a resumed run's
-        adapter gives it again.
+        an adapter counts it, and the run's unit: for ``plateau_tokens_per_parameter``, which reads tokens per
+        parameter only where the units are tokens (in ``"samples"`` the verdict says it is not read, and ``count``
+        is not used). A ``model_parameters=`` given to the controller wins and is kept. Configuration, not saved: a
+        resumed run's adapter gives it again.
 
         Raises:
-            TypeError: ``count`` is not an int.
-            ValueError: ``count`` is not >= 1.
+            TypeError: ``count`` is not an integer.
+            ValueError: ``count`` is not >= 1, or ``unit`` is not ``"tokens"`` or ``"samples"``.
         """
-        if isinstance(count, bool) or not isinstance(count, int):
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
             raise TypeError(f"BatchSizeController.set_model_parameters(count={count!r}): expected an int (the "
                             f"model's parameter count), got {type(count).__name__}")
         if count < 1:
             raise ValueError(f"BatchSizeController.set_model_parameters(count={count!r}): must be >= 1")
+        if unit not in ("tokens", "samples"):
+            raise ValueError(f"BatchSizeController.set_model_parameters(unit={unit!r}): must be 'tokens' or 'samples'")
+        self._plateau.in_samples = unit == "samples"
         if not self._parameters_given:
-            self._plateau.parameters = count
+            self._plateau.parameters = int(count)
 
     @property
     def model_parameters(self) -> int | None:

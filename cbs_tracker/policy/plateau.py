@@ -122,6 +122,7 @@ class PlateauHold:
         self.below, self.at, self.exit = below, at, exit
         self.tokens_per_parameter = tokens_per_parameter
         self.parameters: int | None = None  # the model's parameter count (configuration, not saved)
+        self.in_samples = False  # the run counts samples: there are no tokens per parameter to read (not saved)
         self.gated: float | None = None  # the tokens per parameter at a verdict that would have held and did not
         self.slope = LossSlope()
         self.waiting_said = False  # the verdict is due and waits for a readable slope (said once)
@@ -193,6 +194,8 @@ class PlateauHold:
         bound = self.tokens_per_parameter
         if bound is None:
             return ""
+        if self.in_samples:
+            return f" (the units are samples: plateau_tokens_per_parameter={bound:g} is not read)"
         if self.parameters is None:
             self.warn = True
             return (f"; plateau_tokens_per_parameter={bound:g} could not tell a plateau from a run long for its "
@@ -231,6 +234,10 @@ class PlateauHold:
             if value is not None and not _finite(value):
                 raise TypeError(f"{read.owner}: state['plateau_{key}']={value!r}: expected a finite number or None")
             parsed[key] = None if value is None else float(value)
+        if parsed["gated"] is not None and (parsed["gated"] <= 0 or held is not False):
+            raise ValueError(f"{read.owner}: state['plateau_gated']={parsed['gated']!r} with state['plateau_held']="
+                             f"{held!r}: a verdict the size gate overturned has tokens per parameter > 0 and does "
+                             "not hold (plateau_held False)")
         return parsed
 
     def assign(self, parsed: dict[str, Any]) -> None:
