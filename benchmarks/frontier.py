@@ -6,7 +6,7 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Thirteen settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Fourteen settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
 minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes), ``synth`` (4 layers x 64,
@@ -23,8 +23,9 @@ before any run of the plateau rule) and ``tail`` (1 layer x 32, context 32, peak
 from 256-token batches, 190 per parameter, defined after every rule) and ``tail_long`` (``tail`` on 8M tokens, 380
 per parameter, defined after every rule) and ``tail_code`` (1 layer x 48, the code corpus, 8M tokens, 200 per
 parameter, defined after ``tail_long``'s runs) and ``tail_synth`` (2 layers x 32, the synthetic language, 8M tokens,
-240 per parameter, defined before any run of the size-gated plateau option); what was tuned on which is
-``README_SETTINGS``.
+240 per parameter, defined before any run of the size-gated plateau option) and ``mid`` (3 layers x 64, context 112,
+peak LR 2e-3, the docstrings, 1M tokens from 224-token batches, defined after every rule and before any of its runs);
+what was tuned on which is ``README_SETTINGS``.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -360,6 +361,7 @@ README_SETTINGS = {
     "tail_long": ("the same on twice the tokens, 380 per parameter", ("gate",)),
     "tail_code": ("1 × 48, code, 200 tokens per parameter", ("gate",)),
     "tail_synth": ("2 × 32, the synthetic language, 240 tokens per parameter", ()),
+    "mid": ("3 × 64, prose, context 112", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
 

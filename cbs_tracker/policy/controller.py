@@ -191,7 +191,7 @@ class BatchSizeController:
             falls, ``-dL / d ln T`` by least squares over the second half of the tokens seen (from twice the
             LR's warm-up on), and below ``hold_on_plateau`` nats per e-fold of tokens (a loss on its plateau)
             hold for the rest of the run; otherwise the rule is in force from then on. ``None`` (default):
-            off. ``0.15`` kept the loss on 25 of 26 small-GPT settings and schedules where the default kept
+            off. ``0.15`` kept the loss on 27 of 28 small-GPT settings and schedules where the default kept
             it on 16, saving fewer steps (results.md): a hypothesis read off eight of them, in nats, which
             a run long for its model falls slower than a quarter in; past ``plateau_tokens_per_parameter`` such
             a run is not held (see there). It needs each
