@@ -4,6 +4,7 @@ waits for a readable slope, and what the option says when it cannot read."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import warnings
@@ -113,7 +114,7 @@ def ungated(**kwargs):
 @pytest.mark.parametrize("parameters", [5_000, 10_000], ids=["30-per-param", "15-per-param"])
 @pytest.mark.parametrize("given", ["argument", "adapter"])
 def test_the_size_gate_decides_as_the_frontiers_prototype_and_lets_a_run_past_20_per_parameter_grow(
-        proof_lr, loss_at, parameters, given):
+        proof_lr, loss_at, parameters, given, caplog):
     """``plateau_tokens_per_parameter`` (default 20) against ``plateau_gated_by_size`` (the frontier's first runs of
     ``library:hold_on_plateau=0.15+tpp20``, separate code wrapped around the ungated option): the same doublings at
     the same steps, with the count given as ``model_parameters=`` or by an adapter (``set_model_parameters``). The
@@ -127,7 +128,7 @@ def test_the_size_gate_decides_as_the_frontiers_prototype_and_lets_a_run_past_20
         library = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
         library.set_model_parameters(parameters)
     prototype = proof_lr.plateau_gated_by_size(ungated(), parameters=parameters, tokens_per_parameter=20)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="cbs_tracker"):
         warnings.simplefilter("error")  # a known count: nothing to warn of
         ours = feed(library, loss_at, rng=random.Random(2), jitter=0.02)
     assert ours == feed(prototype, loss_at, rng=random.Random(2), jitter=0.02)
@@ -135,6 +136,10 @@ def test_the_size_gate_decides_as_the_frontiers_prototype_and_lets_a_run_past_20
     if loss_at is flat:
         grows = parameters == 5_000
         assert library.plateau.held is not grows
+        said = (" (a plateau by its slope), not held: the run has seen 30.7 tokens per parameter, at least "
+                "plateau_tokens_per_parameter=20, a run long for its model" if grows else
+                "below 0.15, growth held (15.4 tokens per parameter, below plateau_tokens_per_parameter=20)")
+        assert said in caplog.text
         if grows:
             assert feed(library_like := BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15,
                                                              model_parameters=parameters), flat) == \
@@ -170,17 +175,22 @@ def test_without_the_models_size_a_holding_verdict_holds_and_says_what_to_pass()
 
 
 def test_in_samples_the_gate_is_not_read_and_a_holding_verdict_says_so_without_a_warning(caplog):
-    """Units that are samples (an adapter says so): a holding verdict holds, whatever the count (here one that would
-    be 30.7 per parameter in tokens), says at INFO that the gate is not read, and warns of nothing."""
-    import logging
-
-    ctrl = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, model_parameters=5_000)
-    ctrl.set_model_parameters(5_000, unit="samples")
-    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="cbs_tracker"):
-        warnings.simplefilter("error")
-        assert feed(ctrl, flat) == ([], 0)
-    assert ctrl.plateau.held is True and ctrl.plateau.gated is None
-    assert "the units are samples: plateau_tokens_per_parameter=20 is not read" in caplog.text
+    """Units that are samples (an adapter says so, with the count it made): a holding verdict holds, whatever the
+    count (here one that would be 30.7 per parameter in tokens), says at INFO that the gate is not read, and warns
+    of nothing; a count the user gave is said, once, not to be used."""
+    for given in (False, True):
+        ctrl = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, model_parameters=5_000 if given else None)
+        with warnings.catch_warnings(record=True) as said, caplog.at_level(logging.INFO, logger="cbs_tracker"):
+            warnings.simplefilter("always")
+            ctrl.set_model_parameters(5_000, unit="samples")
+            assert feed(ctrl, flat) == ([], 0)
+        assert [str(w.message) for w in said] == ([
+            "BatchSizeController(model_parameters=5000): the run's units are samples, so plateau_tokens_per_parameter "
+            "is not read and the count is not used (count tokens, or give plateau_tokens_per_parameter=None)"]
+            if given else [])
+        assert ctrl.plateau.held is True and ctrl.plateau.gated is None
+        assert "below 0.15, growth held (the units are samples: plateau_tokens_per_parameter=20 is not read)" \
+            in caplog.text
 
 
 def test_the_users_count_wins_over_the_adapters_and_bad_counts_are_refused():
@@ -192,7 +202,8 @@ def test_the_users_count_wins_over_the_adapters_and_bad_counts_are_refused():
     adapter.set_model_parameters(6_000)  # the adapter's latest count
     assert adapter.model_parameters == 6_000
     for kwargs, error, match in [
-            ({"plateau_tokens_per_parameter": 0}, ValueError, r"plateau_tokens_per_parameter=0\): must be finite and > 0"),
+            ({"plateau_tokens_per_parameter": 0}, ValueError,
+             r"plateau_tokens_per_parameter=0\): must be finite and > 0, or None to turn the size gate off"),
             ({"plateau_tokens_per_parameter": "20"}, TypeError, r"plateau_tokens_per_parameter='20'\): expected a number"),
             ({"model_parameters": 0}, ValueError, r"model_parameters=0\): must be >= 1"),
             ({"model_parameters": 1.5e6}, TypeError, r"model_parameters=1500000.0\): expected an int")]:

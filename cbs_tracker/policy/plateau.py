@@ -180,35 +180,33 @@ class PlateauHold:
         self.verdict_tokens, self.verdict_slope = tokens, slope
         self.held = slope < self.below  # type: ignore[operator]
         said = (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): slope {slope:.3f} nats per "
-                "e-fold of tokens; " + (f"below {self.below:g}, growth held" if self.held else
+                "e-fold of tokens; " + (f"below {self.below:g}" + self._gate(tokens) if self.held else
                                         f"at least {self.below:g}, the growth rule is in force"))
-        if self.held:
-            said += self._gate(tokens)
         if not (self.held and self.exit is not None):
             self.slope.clear()  # the verdict is final: no more points are needed
         return said
 
     def _gate(self, tokens: float) -> str:
-        """A holding verdict read against the run's tokens per parameter: past ``tokens_per_parameter`` it does
-        not hold; returns what to add to the verdict."""
+        """A verdict below the threshold read against the run's tokens per parameter: past ``tokens_per_parameter``
+        it does not hold; returns the rest of the verdict's sentence."""
         bound = self.tokens_per_parameter
         if bound is None:
-            return ""
+            return ", growth held"
         if self.in_samples:
-            return f" (the units are samples: plateau_tokens_per_parameter={bound:g} is not read)"
+            return f", growth held (the units are samples: plateau_tokens_per_parameter={bound:g} is not read)"
         if self.parameters is None:
             self.warn = True
-            return (f"; plateau_tokens_per_parameter={bound:g} could not tell a plateau from a run long for its "
-                    "model: the model's parameter count is unknown (the adapters give it where the units are "
+            return (f", growth held; plateau_tokens_per_parameter={bound:g} could not tell a plateau from a run long "
+                    "for its model: the model's parameter count is unknown (the adapters give it where the units are "
                     "tokens; with tokens, pass model_parameters=; otherwise plateau_tokens_per_parameter=None holds "
                     "without it)")
         per_parameter = tokens / self.parameters
         if per_parameter < bound:
-            return f" ({per_parameter:.3g} tokens per parameter, below plateau_tokens_per_parameter={bound:g})"
+            return f", growth held ({per_parameter:.3g} tokens per parameter, below plateau_tokens_per_parameter={bound:g})"
         self.held, self.gated = False, per_parameter
-        return (f"; but the run has seen {per_parameter:.3g} tokens per parameter, at least "
-                f"plateau_tokens_per_parameter={bound:g}: a run long for its model, not a plateau, so the growth "
-                "rule is in force")
+        return (f" (a plateau by its slope), not held: the run has seen {per_parameter:.3g} tokens per parameter, at "
+                f"least plateau_tokens_per_parameter={bound:g}, a run long for its model, so the growth rule is in "
+                "force")
 
     @property
     def collecting(self) -> bool:
