@@ -10,7 +10,8 @@ plain loop of the README with ``tracker.observe_loss``. Three controllers, paire
 language) and optimizer steps, then the gated and the default runs' differences from the ungated one: mean, standard
 error and the 90% t-interval's upper end.
 
-    python benchmarks/gate_toy.py            # six seeds, about a minute
+    python benchmarks/gate_toy.py                     # six seeds, about a minute
+    python benchmarks/gate_toy.py --lr-coupling keep  # the LR left as scheduled when the batch grows
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def chains(trans: torch.Tensor, n: int, length: int, gen: torch.Generator | None
     return out
 
 
-def train(seed: int, rule: str, steps: int) -> tuple[float, int, BatchSizeController]:
+def train(seed: int, rule: str, steps: int, lr_coupling: str = "auto") -> tuple[float, int, BatchSizeController]:
     """One run: its held-out loss, its optimizer steps and its controller."""
     trans = language(seed)
     seqs = chains(trans, 1024, 1024).unfold(1, T + 1, T).reshape(-1, T + 1)
@@ -66,7 +67,8 @@ def train(seed: int, rule: str, steps: int) -> tuple[float, int, BatchSizeContro
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     controller = BatchSizeController(**RULES[rule])
-    tracker = CBSTracker(model, optimizer, accumulation_steps=2, controller=controller, lr_scheduler=scheduler)
+    tracker = CBSTracker(model, optimizer, accumulation_steps=2, controller=controller, lr_scheduler=scheduler,
+                         lr_coupling=lr_coupling)
     order = torch.Generator().manual_seed(seed + 1)
     batches = (seqs[i] for _ in iter(int, 1) for i in torch.randperm(len(seqs), generator=order).split(MICRO)
                if len(i) == MICRO)
@@ -101,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2,3,4,5")
     p.add_argument("--steps", type=int, default=1500, help="steps of the starting batch (default 1500)")
+    p.add_argument("--lr-coupling", default="auto", choices=("auto", "keep", "sqrt", "linear"),
+                   help="the tracker's LR coupling (default auto: x sqrt(B/B0) for AdamW)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
-    rows = {rule: [train(seed, rule, args.steps) for seed in seeds] for rule in RULES}
+    rows = {rule: [train(seed, rule, args.steps, args.lr_coupling) for seed in seeds] for rule in RULES}
     print("| seed | " + " | ".join(f"{r}: held-out loss, steps" for r in RULES) + " | gated: tokens per parameter "
           "at the verdict |")
     print("|---|" + "---|" * (len(RULES) + 1))
