@@ -8,10 +8,14 @@ plain loop of the README with ``tracker.observe_loss``. Three controllers, paire
 ``BatchSizeController(hold_on_plateau=0.15)`` (with it: the verdict comes 353 tokens per parameter in) and
 ``BatchSizeController()`` (the default). Prints, per seed, each one's held-out loss (fresh chains of the seed's
 language) and optimizer steps, then the gated and the default runs' differences from the ungated one: mean, standard
-error and the 90% t-interval's upper end.
+error and the 90% t-interval's upper end. ``--constant``: in place of the rules, constant batches of 2, 4 and 8
+times the starting one on the same tokens (the LR x sqrt of the factor, as the tracker couples it), each one's loss
+against the starting batch's, and the starting batch's median noise scale over the last three quarters of its run:
+what the model affords against what ``B_simple`` says.
 
     python benchmarks/gate_toy.py                     # six seeds, about a minute
     python benchmarks/gate_toy.py --lr-coupling keep  # the LR left as scheduled when the batch grows
+    python benchmarks/gate_toy.py --constant          # the batch the toy affords, against its noise scale
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ RULES = {
     "gated": {"hold_on_plateau": 0.15},
     "default": {},
 }
+#: the controllers a run can have: the rules, and one that only measures (the constant batches)
+CONTROLLERS = {**RULES, "observed": {"observe_only": True}}
 #: the t quantile of a one-sided 95% (a two-sided 90% interval's upper end) by degrees of freedom
 T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895}
 
@@ -59,16 +65,20 @@ def chains(trans: torch.Tensor, n: int, length: int, gen: torch.Generator | None
     return out
 
 
-def train(seed: int, rule: str, steps: int, lr_coupling: str = "auto") -> tuple[float, int, BatchSizeController]:
-    """One run: its held-out loss, its optimizer steps and its controller."""
+def train(seed: int, rule: str, steps: int, lr_coupling: str = "auto", factor: int = 1,
+          noise: list[float] | None = None) -> tuple[float, int, BatchSizeController]:
+    """One run (``rule`` one of :data:`CONTROLLERS`): its held-out loss, its optimizer steps and its controller.
+    ``factor``: a batch of that many starting batches from the first step, on the same tokens (``steps / factor``
+    steps, the LR x sqrt(factor)); ``noise`` collects the measured noise scale after each step."""
     trans = language(seed)
     seqs = chains(trans, 1024, 1024).unfold(1, T + 1, T).reshape(-1, T + 1)
     model = Bigram()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps //= factor
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2 * math.sqrt(factor))
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-    controller = BatchSizeController(**RULES[rule])
-    tracker = CBSTracker(model, optimizer, accumulation_steps=2, controller=controller, lr_scheduler=scheduler,
-                         lr_coupling=lr_coupling)
+    controller = BatchSizeController(**CONTROLLERS[rule])
+    tracker = CBSTracker(model, optimizer, accumulation_steps=2 * factor, controller=controller,
+                         lr_scheduler=scheduler, lr_coupling=lr_coupling)
     order = torch.Generator().manual_seed(seed + 1)
     batches = (seqs[i] for _ in iter(int, 1) for i in torch.randperm(len(seqs), generator=order).split(MICRO)
                if len(i) == MICRO)
@@ -87,6 +97,8 @@ def train(seed: int, rule: str, steps: int, lr_coupling: str = "auto") -> tuple[
         scheduler.step()
         optimizer.zero_grad()
         taken += 1
+        if noise is not None and tracker.noise_scale is not None:
+            noise.append(tracker.noise_scale)
     held = chains(trans, 256, 1024, torch.Generator().manual_seed(99))
     with torch.no_grad():
         return float(model(held[:, :-1], held[:, 1:])), taken, controller
@@ -99,15 +111,37 @@ def paired(deltas: list[float]) -> tuple[float, float, float]:
     return mean, se, mean + T95.get(len(deltas) - 1, 1.645) * se
 
 
+def constant_ladder(seeds: list[int], steps: int, factors: tuple[int, ...] = (2, 4, 8)) -> None:
+    """Per seed, the starting batch's loss and median noise scale, and each larger constant batch's loss against it."""
+    print("| seed | starting batch (512 tokens): held-out loss | its median noise scale (tokens) | "
+          + " | ".join(f"{f} x: loss against it" for f in factors) + " |")
+    print("|---|---|---|" + "---|" * len(factors))
+    deltas: dict[int, list[float]] = {f: [] for f in factors}
+    for seed in seeds:
+        noise: list[float] = []
+        base = train(seed, "observed", steps, noise=noise)[0]
+        for f in factors:
+            deltas[f].append(train(seed, "observed", steps, factor=f)[0] - base)
+        cells = " | ".join(f"{deltas[f][-1]:+.4f}" for f in factors)
+        print(f"| {seed} | {base:.4f} | {statistics.median(noise[len(noise) // 4:]):.0f} | {cells} |")
+    for f in factors:
+        mean, se, upper = paired(deltas[f])
+        print(f"{f} x the starting batch: {mean:+.4f} nats (standard error {se:.4f}, 90% upper end {upper:+.4f})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2,3,4,5")
     p.add_argument("--steps", type=int, default=1500, help="steps of the starting batch (default 1500)")
     p.add_argument("--lr-coupling", default="auto", choices=("auto", "keep", "sqrt", "linear"),
                    help="the tracker's LR coupling (default auto: x sqrt(B/B0) for AdamW)")
+    p.add_argument("--constant", action="store_true", help="constant batches of 2-8 starting batches instead")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.constant:
+        constant_ladder(seeds, args.steps)
+        return 0
     rows = {rule: [train(seed, rule, args.steps, args.lr_coupling) for seed in seeds] for rule in RULES}
     print("| seed | " + " | ".join(f"{r}: held-out loss, steps" for r in RULES) + " | gated: tokens per parameter "
           "at the verdict |")

@@ -24,5 +24,8 @@ def test_the_gate_frees_the_run_the_ungated_option_holds_at_its_tokens_per_param
     assert 0.25 * steps * 512 / 544 <= gated.plateau.gated < 0.27 * steps * 512 / 544
     assert gated_steps < steps
     assert ungated_loss != gated_loss
+    noise = []
+    _, taken, observed = toy.train(0, "observed", 300, factor=2, noise=noise)  # --constant's runs: 2 x, same tokens
+    assert taken == 150 and observed.observe_only and observed.plateau.held is None and len(noise) > 100
     mean, se, upper = toy.paired([0.01, 0.02, 0.03])
     assert (mean, upper) == pytest.approx((0.02, 0.02 + 2.920 * 0.01 / 3 ** 0.5))
