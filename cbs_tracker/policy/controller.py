@@ -274,9 +274,10 @@ class BatchSizeController:
             slowly that far into training is a run long for its model, not a plateau. Default 20 (Chinchilla's
             compute-optimal ratio, chosen before any run; on three small GPTs trained on 200-380 tokens per
             parameter the option held and saved nothing, and with it grew and kept the loss, one of them held
-            out; results.md; a hypothesis: on a 544-parameter bigram toy the growth it freed cost 0.008 nats). At the default ``plateau_at`` a run of fewer than 80 tokens per parameter in all
-            reaches it only where its verdict waited past the quarter for a readable slope. ``None``:
-            hold whatever the run's length. The count is ``model_parameters``, or what an adapter gives
+            out; results.md). A hypothesis: on a 544-parameter bigram toy the growth it freed cost 0.008 nats
+            (``benchmarks/gate_toy.py``). At the default ``plateau_at`` a run of fewer than 80 tokens per
+            parameter in all reaches it only where its verdict waited past the quarter for a readable slope.
+            ``None``: hold whatever the run's length. The count is ``model_parameters``, or what an adapter gives
             (:meth:`set_model_parameters`); unknown, a holding verdict holds and warns. Read only where the units
             are tokens (in samples the verdict says so). A verdict is read once: a state saved before this gate
             existed resumes with its verdict as it was.
