@@ -128,9 +128,9 @@ RULES = {
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
 DEFAULT_RULE = "kappa0.4+convert-until0.85"
-#: panels left to right: the two settings that chose the default's `κ`, then the eleven that only judged it
+#: panels left to right: the two settings that chose the default's `κ`, then the twelve that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
-                 "tail": 9, "tail_long": 10, "tail_code": 11, "tail_synth": 12}
+                 "tail": 9, "tail_long": 10, "tail_code": 11, "tail_synth": 12, "mid": 13}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom
@@ -255,7 +255,7 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(p["setting"], p["schedule"]) for p in pts}, key=lambda k: (SETTING_ORDER.get(k[0], 9), k))
+    panels = sorted({(p["setting"], p["schedule"]) for p in pts}, key=lambda k: (SETTING_ORDER.get(k[0], len(SETTING_ORDER)), k))
     rules = [r for r in RULES if r != "constant" and any(p["rule"] == r for p in pts)]
     palette = [plt.get_cmap("tab10")(i) for i in range(10)] + ["black", "goldenrod", "teal", "magenta", "navy"]
     colours = {r: palette[i % len(palette)] for i, r in enumerate(rules)}
@@ -263,7 +263,7 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     top = 0.03  # points above are drawn at the top edge, their value written beside them
     columns = max(1, len({s for s, _ in panels}))
     fig, axes = plt.subplots(2, columns, figsize=(4.6 * columns, 7.6), squeeze=False, sharex=True)
-    settings = sorted({s for s, _ in panels}, key=lambda s: SETTING_ORDER.get(s, 9))
+    settings = sorted({s for s, _ in panels}, key=lambda s: SETTING_ORDER.get(s, len(SETTING_ORDER)))
     for col, setting in enumerate(settings):
         for row, schedule in enumerate(("cosine", "wsd")):
             ax = axes[row][col]
@@ -344,6 +344,8 @@ def option_point(by: dict[tuple[str, str, str], dict[str, Any]], setting: str, s
     option's, whose verdicts the gate cannot change there (each such run is checked by ``tests/test_frontier.py``:
     under 20 tokens per parameter by the run's end, or a verdict that let it grow)."""
     return by.get((setting, schedule, GATED_RULE)) or by.get((setting, schedule, PLATEAU_RULE))
+
+
 #: the README's name for each setting, and what was tuned on it: the default's ``κ`` (under cosine) and its limit
 #: ``convert_until=0.85``, the plateau option's threshold and quarter, and its size gate (made where the option held
 #: runs long for their model); a setting without a choice judged it

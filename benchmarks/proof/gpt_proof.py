@@ -327,12 +327,13 @@ def parameter_count(setting: Setting) -> int:
     model built without drawing from torch's random generator (a run's weights stay those of its seed)."""
     import torch
 
+    from cbs_tracker.core.engine import model_parameter_count
     from cbs_tracker.demo.gpt import GPT, GPTConfig
 
     config = GPTConfig(context_length=setting.seq_len, n_layer=setting.n_layer, d_model=setting.d_model,
                        n_head=setting.n_head)
     with torch.random.fork_rng(devices=[]):
-        return sum(p.numel() for p in GPT(config).parameters())
+        return model_parameter_count(GPT(config))  # as the tracker counts it
 
 
 def load_setting_corpus(setting: Setting) -> Any:

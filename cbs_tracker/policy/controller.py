@@ -137,13 +137,18 @@ def _check_size_gate(plateau_tokens_per_parameter: Any, model_parameters: Any) -
     if gate is not None and not 0 < gate < math.inf:
         raise ValueError(f"BatchSizeController(plateau_tokens_per_parameter={gate!r}): must be finite and > 0, or "
                          "None to turn the size gate off")
-    if model_parameters is None:
-        return
-    if isinstance(model_parameters, bool) or not isinstance(model_parameters, numbers.Integral):
-        raise TypeError(f"BatchSizeController(model_parameters={model_parameters!r}): expected an int (the model's "
-                        f"parameter count; int(...) of a count held as a float), got {type(model_parameters).__name__}")
-    if model_parameters < 1:
-        raise ValueError(f"BatchSizeController(model_parameters={model_parameters!r}): must be >= 1")
+    if model_parameters is not None:
+        _check_count(model_parameters, "BatchSizeController(model_parameters=")
+
+
+def _check_count(count: Any, call: str) -> int:
+    """A model's parameter count (an integer >= 1, numpy's included) as an int; ``call`` names the argument."""
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+        raise TypeError(f"{call}{count!r}): expected an int (the model's parameter count; int(...) of a count held "
+                        f"as a float), got {type(count).__name__}")
+    if count < 1:
+        raise ValueError(f"{call}{count!r}): must be >= 1")
+    return int(count)
 
 
 class BatchSizeController:
@@ -530,11 +535,7 @@ class BatchSizeController:
             TypeError: ``count`` is not an integer.
             ValueError: ``count`` is not >= 1, or ``unit`` is not ``"tokens"`` or ``"samples"``.
         """
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
-            raise TypeError(f"BatchSizeController.set_model_parameters(count={count!r}): expected an int (the "
-                            f"model's parameter count), got {type(count).__name__}")
-        if count < 1:
-            raise ValueError(f"BatchSizeController.set_model_parameters(count={count!r}): must be >= 1")
+        count = _check_count(count, "BatchSizeController.set_model_parameters(count=")
         if unit not in ("tokens", "samples"):
             raise ValueError(f"BatchSizeController.set_model_parameters(unit={unit!r}): must be 'tokens' or 'samples'")
         self._plateau.in_samples = unit == "samples"
@@ -544,7 +545,7 @@ class BatchSizeController:
                           "samples, so plateau_tokens_per_parameter is not read and the count is not used (count "
                           "tokens, or give plateau_tokens_per_parameter=None)", UserWarning, stacklevel=3)
         if not self._parameters_given:
-            self._plateau.parameters = int(count)
+            self._plateau.parameters = count
 
     @property
     def model_parameters(self) -> int | None:
