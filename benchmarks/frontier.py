@@ -32,7 +32,7 @@ at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay tu
 the batch doubles where the scheduled LR halves), ``kappa0.4+convert`` (the controller with
 ``convert_lr_decay``, every halving converted: the default until ``convert_until``; ``+peak``: with
 ``cap_lr_at_peak=True``; ``-until0.85``: halvings after 0.85 of the run not converted, ``convert_until=0.85``:
-the default, ``DEFAULT_RULE``), ``kappaA-B+convert`` (``kappa`` rising from A to B
+the ``kappa`` rule alone, ``KAPPA_RULE``, the default before its hold on a loss plateau), ``kappaA-B+convert`` (``kappa`` rising from A to B
 over the budget: ``BatchSizeController(kappa=A, kappa_rise=B/A)``), ``eff0.08`` / ``eff0.12`` (the
 efficiency budget, ``efficiency_budget`` with the setting's budget as ``total_tokens``, no conversion), ``measured`` / ``cooled`` (``kappa`` from branches
 without and with an LR cooldown), ``hand_ramp`` (4, 8, 16, 32 x the starting batch from 0, 1/2, 3/4,
@@ -53,8 +53,8 @@ falls by 0.3 nats per e-fold of tokens, off its plateau),
 ``library:hold_on_plateau=0.15`` (the library's ``BatchSizeController(hold_on_plateau=0.15,
 plateau_tokens_per_parameter=None)``, the plateau rule as users get it, without the size gate: the loss given by
 ``tracker.observe_loss``, the LR's warm-up read from its schedule), ``library:hold_on_plateau=0.15+tpp20`` (the
-same with its size gate, the library's default: a verdict that holds does not past 20 tokens per parameter of the
-model, counted by the tracker),
+same with its size gate: a verdict that holds does not past 20 tokens per parameter of the model, counted by the
+tracker; the library's default, ``DEFAULT_RULE``),
 ``kappa0.4-1.2+convert+plateau0.15`` (the rising ``kappa`` with every halving converted, behind the plateau rule's
 hold and verdict).
 
@@ -126,8 +126,18 @@ RULES = {
     "kappa0.4-1.2+convert+plateau0.15": "tracker_kappa04_12_convert_plateau15",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
-#: the rule that is the library's default (``BatchSizeController()``; its points carry ``"default": true``)
-DEFAULT_RULE = "kappa0.4+convert-until0.85"
+#: the ``kappa`` rule alone (``BatchSizeController(hold_on_plateau=None)``): the library's default until its hold on
+#: a loss plateau became the default
+KAPPA_RULE = "kappa0.4+convert-until0.85"
+#: the library's plateau option without its size gate (``BatchSizeController(hold_on_plateau=0.15,
+#: plateau_tokens_per_parameter=None)``), as it ran before the library had the gate
+PLATEAU_RULE = "library:hold_on_plateau=0.15"
+#: the hold as users get it: gated at 20 tokens per parameter of the model (the library's default
+#: ``plateau_tokens_per_parameter``; its first runs wrapped the ungated option in ``gpt_proof_lr.plateau_gated_by_size``)
+GATED_RULE = "library:hold_on_plateau=0.15+tpp20"
+#: the library's default, ``BatchSizeController()``: the gated hold. Where it was not run, the ungated rule's runs
+#: stand for it (:func:`option_point`); the points that stand for it carry ``"default": true``
+DEFAULT_RULE = GATED_RULE
 #: panels left to right: the two settings that chose the default's `κ`, then the twelve that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
                  "tail": 9, "tail_long": 10, "tail_code": 11, "tail_synth": 12, "mid": 13}
@@ -205,8 +215,13 @@ def points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                                                                     round(max(saved), 4)],
             "branch_tokens": statistics.fmean(r.get("branch_tokens", 0) for r in rows),
             "final_batch": [r["final_batch_tokens"] for r in rows],
-            "default": rule == DEFAULT_RULE,
+            "default": False,
         })
+    by = {(p["setting"], p["schedule"], p["rule"]): p for p in out}
+    for setting, schedule in {(p["setting"], p["schedule"]) for p in out}:
+        default = option_point(by, setting, schedule)
+        if default is not None:
+            default["default"] = True
     return out
 
 
@@ -259,7 +274,7 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     rules = [r for r in RULES if r != "constant" and any(p["rule"] == r for p in pts)]
     palette = [plt.get_cmap("tab10")(i) for i in range(10)] + ["black", "goldenrod", "teal", "magenta", "navy"]
     colours = {r: palette[i % len(palette)] for i, r in enumerate(rules)}
-    shapes = {r: "*" if r == DEFAULT_RULE else "osD^vPX"[i // 10 + 2 * (i % 3)] for i, r in enumerate(rules)}
+    shapes = {r: "*" if r in (GATED_RULE, PLATEAU_RULE) else "osD^vPX"[i // 10 + 2 * (i % 3)] for i, r in enumerate(rules)}
     top = 0.03  # points above are drawn at the top edge, their value written beside them
     columns = max(1, len({s for s, _ in panels}))
     fig, axes = plt.subplots(2, columns, figsize=(4.6 * columns, 7.6), squeeze=False, sharex=True)
@@ -280,7 +295,7 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
                             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 0.5})
             for p in mine:
                 up = None if p["delta_upper90"] is None else [[0.0], [p["delta_upper90"] - p["delta_mean"]]]
-                star = p["rule"] == DEFAULT_RULE
+                star = p["default"]
                 x, y = 100 * p["steps_saved"], p["delta_mean"]
                 if y > top:
                     y, up = top, None
@@ -298,15 +313,25 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
             if col == 0:
                 ax.set_ylabel("final loss − constant's (nats)")
     handles = [plt.Line2D([], [], marker=shapes[r], ls="", color=colours[r],
-                          markeredgecolor="black" if r == DEFAULT_RULE else colours[r],
-                          markersize=12 if r == DEFAULT_RULE else 7,
-                          label=f"{r} (default)" if r == DEFAULT_RULE else r) for r in rules]
+                          markeredgecolor="black" if r in (GATED_RULE, PLATEAU_RULE) else colours[r],
+                          markersize=12 if r in (GATED_RULE, PLATEAU_RULE) else 7,
+                          label=_legend(r)) for r in rules]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
     fig.suptitle("Final loss against the constant batch, paired by seed (bar: upper end of the 90% interval;\n"
                  "faint: fewer than 4 seeds; dotted: +0.005 nats and 55% of the steps saved)", fontsize=9)
     fig.tight_layout(rect=(0, 0.05 + 0.025 * math.ceil(len(handles) / 5), 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _legend(rule: str) -> str:
+    """A rule's name in the picture's legend: the default's two stand-ins (big stars, black-edged where they are
+    the default) say so."""
+    if rule == GATED_RULE:
+        return f"{rule} (the default)"
+    if rule == PLATEAU_RULE:
+        return f"{rule} (the default where the gate cannot act)"
+    return f"{rule} (the default before the hold)" if rule == KAPPA_RULE else rule
 
 
 RESULTS = ROOT / "docs" / "results.md"
@@ -331,18 +356,10 @@ def _replace_after(text: str, mark: str, body: str) -> str:
     return head + mark + body + "\n" + tail
 
 
-#: the library's plateau option without its size gate (``BatchSizeController(hold_on_plateau=0.15,
-#: plateau_tokens_per_parameter=None)``), as it ran before the library had the gate
-PLATEAU_RULE = "library:hold_on_plateau=0.15"
-#: the plateau option as users get it: its hold gated at 20 tokens per parameter of the model (the library's default
-#: ``plateau_tokens_per_parameter``; its first runs wrapped the ungated option in ``gpt_proof_lr.plateau_gated_by_size``)
-GATED_RULE = "library:hold_on_plateau=0.15+tpp20"
-
-
 def option_point(by: dict[tuple[str, str, str], dict[str, Any]], setting: str, schedule: str) -> dict[str, Any] | None:
-    """The plateau option as users get it on ``setting``: the gated rule's point where it ran, else the ungated
-    option's, whose verdicts the gate cannot change there (each such run is checked by ``tests/test_frontier.py``:
-    under 20 tokens per parameter by the run's end, or a verdict that let it grow)."""
+    """The default (the hold on a loss plateau, gated) as users get it on ``setting``: the gated rule's point where it
+    ran, else the ungated rule's, whose verdicts the gate cannot change there (each such run is checked by
+    ``tests/test_frontier.py``: under 20 tokens per parameter by the run's end, or a verdict that let it grow)."""
     return by.get((setting, schedule, GATED_RULE)) or by.get((setting, schedule, PLATEAU_RULE))
 
 
@@ -369,12 +386,13 @@ README_MARK = "<!-- frontier-readme -->\n"
 
 
 def held_out(setting: str, rule: str) -> bool:
-    """Whether nothing of ``rule`` (the default or the plateau option, gated or not) was tuned on ``setting``."""
+    """Whether nothing of ``rule`` (the ``kappa`` rule alone, or the default: the hold, gated or not, on it) was tuned
+    on ``setting``."""
     tuned = set(README_SETTINGS[setting][1])
     if rule == PLATEAU_RULE:
-        return "plateau" not in tuned
+        return not {"`κ`", "limit", "plateau"} & tuned
     if rule == GATED_RULE:
-        return not {"plateau", "gate"} & tuned
+        return not {"`κ`", "limit", "plateau", "gate"} & tuned
     return not {"`κ`", "limit"} & tuned
 
 
@@ -394,19 +412,19 @@ def keeps(p: dict[str, Any]) -> bool:
 
 
 def readme_table(pts: list[dict[str, Any]]) -> str:
-    """The README's table: per setting, the default and the plateau option as users get it (:func:`option_point`)
-    under cosine and WSD, and the most steps any rule of four seeds or more saved there with the loss kept."""
+    """The README's table: per setting, the default as users get it (:func:`option_point`) and the ``kappa`` rule
+    alone under cosine and WSD, and the most steps any rule of four seeds or more saved there with the loss kept."""
     by = {(p["setting"], p["schedule"], p["rule"]): p for p in pts}
     lines = ["| GPT (layers × width, data) | tuned on it | default, cosine | default, WSD | "
-             "`hold_on_plateau=0.15`, cosine | `hold_on_plateau=0.15`, WSD | best any rule, in hindsight: cosine / WSD |",
+             "`hold_on_plateau=None`, cosine | `hold_on_plateau=None`, WSD | best any rule, in hindsight: cosine / WSD |",
              "|---|---|---|---|---|---|---|"]
     for setting, (name, tuned) in README_SETTINGS.items():
         best = []
         for sch in ("cosine", "wsd"):
             kept = [p["steps_saved"] for p in pts if (p["setting"], p["schedule"]) == (setting, sch) and keeps(p)]
             best.append(f"{max(kept):.0%}" if kept else "none")
-        cells = [_cell(by.get((setting, sch, DEFAULT_RULE))) for sch in ("cosine", "wsd")]
-        cells += [_cell(option_point(by, setting, sch)) for sch in ("cosine", "wsd")]
+        cells = [_cell(option_point(by, setting, sch)) for sch in ("cosine", "wsd")]
+        cells += [_cell(by.get((setting, sch, KAPPA_RULE))) for sch in ("cosine", "wsd")]
         lines.append(f"| {name} | {', '.join(tuned) or '—'} | " + " | ".join(cells) + f" | {best[0]} / {best[1]} |")
     return "\n".join(lines) + "\n"
 

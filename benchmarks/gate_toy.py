@@ -4,11 +4,11 @@ A bigram language model (an embedding of 8 and a linear head over 32 tokens, 544
 its own seed (transitions drawn from a Dirichlet(0.3)), in 64-token sequences, four a microbatch, two microbatches a
 step, AdamW at 1e-2 under cosine over 1,500 steps of the starting batch (768k tokens, 1,412 per parameter), the
 plain loop of the README with ``tracker.observe_loss``. Three controllers, paired by seed on the same tokens:
-``BatchSizeController(hold_on_plateau=0.15, plateau_tokens_per_parameter=None)`` (the option without its gate),
-``BatchSizeController(hold_on_plateau=0.15)`` (with it: the verdict comes 353 tokens per parameter in) and
-``BatchSizeController()`` (the default). Prints, per seed, each one's held-out loss (fresh chains of the seed's
-language) and optimizer steps, then the gated and the default runs' differences from the ungated one: mean, standard
-error and the 90% t-interval's upper end. ``--constant``: in place of the rules, constant batches of 2, 4 and 8
+``BatchSizeController(hold_on_plateau=0.15, plateau_tokens_per_parameter=None)`` (the hold without its size gate),
+``BatchSizeController()`` (the default: the hold with its gate; the verdict comes 353 tokens per parameter in) and
+``BatchSizeController(hold_on_plateau=None)`` (the ``kappa`` rule alone, the earlier default). Prints, per seed,
+each one's held-out loss (fresh chains of the seed's language) and optimizer steps, then the gated and the ``kappa``
+runs' differences from the ungated one: mean, standard error and the 90% t-interval's upper end. ``--constant``: in place of the rules, constant batches of 2, 4 and 8
 times the starting one on the same tokens (the LR x sqrt of the factor, as the tracker couples it), each one's loss
 against the starting batch's, and the starting batch's median noise scale over the last three quarters of its run:
 what the model affords against what ``B_simple`` says.
@@ -33,11 +33,11 @@ from cbs_tracker import BatchSizeController, CBSTracker
 V, D, T, MICRO = 32, 8, 64, 4  # vocabulary, width, context, sequences per microbatch
 RULES = {
     "ungated": {"hold_on_plateau": 0.15, "plateau_tokens_per_parameter": None},
-    "gated": {"hold_on_plateau": 0.15},
-    "default": {},
+    "gated": {},  # the default: hold_on_plateau=0.15 with plateau_tokens_per_parameter=20
+    "kappa": {"hold_on_plateau": None},
 }
 #: the controllers a run can have: the rules, and one that only measures (the constant batches)
-CONTROLLERS = {**RULES, "observed": {"observe_only": True}}
+CONTROLLERS = {**RULES, "observed": {"observe_only": True, "hold_on_plateau": None}}
 #: the t quantile of a one-sided 95% (a two-sided 90% interval's upper end) by degrees of freedom
 T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895}
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         gated = rows["gated"][k][2].plateau.gated
         print(f"| {seed} | " + " | ".join(f"{rows[r][k][0]:.4f}, {rows[r][k][1]}" for r in RULES)
               + f" | {'not gated' if gated is None else f'{gated:.0f}'} |")
-    for rule in ("gated", "default"):
+    for rule in ("gated", "kappa"):
         mean, se, upper = paired([a[0] - b[0] for a, b in zip(rows[rule], rows["ungated"])])
         print(f"{rule} - ungated: {mean:+.4f} nats (standard error {se:.4f}, 90% upper end {upper:+.4f})")
     return 0

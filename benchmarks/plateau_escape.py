@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", default=None,
                    help="comma-separated (default: the four plateau GPTs; none with --traces alone)")
-    p.add_argument("--rule", default=frontier.DEFAULT_RULE)
+    p.add_argument("--rule", default=frontier.KAPPA_RULE)
     p.add_argument("--drop", type=float, default=0.1, help="nats below the plateau that count as its escape")
     p.add_argument("--doc", default=str(frontier.DOC))
     p.add_argument("--traces", nargs="*", default=[], help="run records (with traces) to read around the escape")

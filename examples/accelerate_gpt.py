@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         controller = None
     elif args.quick:  # short warm-up and cool-down so that a few hundred steps show a change
         controller = BatchSizeController(warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4,
-                                         window=8, kappa=2.0)
+                                         window=8, kappa=2.0, hold_on_plateau=None)  # no hold on a loss plateau
     else:
         controller = BatchSizeController()
     tracker = AcceleratorTracker(accelerator, model, optimizer, lr_scheduler=lr_scheduler, controller=controller)
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             with tracker.accumulate(labels=batch["labels"][..., 1:]):  # replaces accelerator.accumulate(model)
                 outputs = model(**batch)
                 accelerator.backward(outputs.loss)  # divided by the window's accumulation
+                tracker.observe_loss(outputs.loss)  # for the default's hold on a loss plateau
                 if accelerator.sync_gradients:  # the window's last microbatch
                     record = tracker.step()
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)

@@ -127,7 +127,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
     controller = BatchSizeController(warmup_steps=CONTROLLER_WARMUP, warmup_tokens=0, cooldown_tokens=0, patience=PATIENCE,
-                                     window=4, kappa=2.0, max_batch=MAX_BATCH_SEQUENCES * args.seq_len)
+                                     window=4, kappa=2.0, max_batch=MAX_BATCH_SEQUENCES * args.seq_len, hold_on_plateau=None)
     # a fresh run starts at --batch-sequences globally; a resumed one at the checkpoint's global batch
     accumulation = max(1, args.batch_sequences // (args.micro_sequences * world))
     tracker = CBSTracker(ddp, optimizer, accumulation_steps=accumulation,

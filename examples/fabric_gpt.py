@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = fabric.setup(model, optimizer)
     if args.quick:  # short warm-up and cool-down so that a few hundred steps show a change
         controller = None if args.constant else BatchSizeController(warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4,
-                                         window=8, kappa=2.0)
+                                         window=8, kappa=2.0, hold_on_plateau=None)  # no hold on a loss plateau
         budget = min(args.tokens, 1.5e5)
     else:
         controller = None if args.constant else BatchSizeController()
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             with tracker.microbatch(labels=targets):  # no_sync on all but the last microbatch
                 _, loss = model(input_ids, targets)
                 fabric.backward(loss / tracker.accumulation_steps)
+                tracker.observe_loss(loss)  # for the default's hold on a loss plateau
         record = tracker.step()  # the synced gradient, before clipping
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()

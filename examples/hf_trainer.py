@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     # fast settings so a few hundred steps show a change (the defaults wait for 100 steps)
     controller = None if args.constant else BatchSizeController(
-        warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=2.0)
+        warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=2.0,
+        hold_on_plateau=None)  # and no hold on a loss plateau (read a quarter into the run)
     printer = PrintChanges()
     trainer = CBSTrainer(model=model, args=training, train_dataset=Rows(corpus.train, per_epoch),
                          controller=controller, callbacks=[printer])  # unit: loss-contributing tokens

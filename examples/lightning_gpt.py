@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         # short warm-up and cool-down so that a few hundred steps show a change
         controller = BatchSizeController(
-            warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=4.0
+            warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=4.0,
+            hold_on_plateau=None,  # no hold on a loss plateau (read a quarter into the run)
         )
         budget = min(args.tokens, 1.5e5)
     else:

@@ -41,9 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=4e-3, help="AdamW peak learning rate (default 4e-3)")
     p.add_argument("--dp", choices=["ddp", "fsdp"], default="ddp", help="data parallelism under torchrun")
     p.add_argument("--warmup-steps", type=int, default=20, help="controller: no change before this step")
-    p.add_argument("--hold-on-plateau", type=float, default=None,
+    p.add_argument("--hold-on-plateau", type=lambda v: None if v == "none" else float(v), default=0.15,
                    help="controller: hold growth on a loss plateau (BatchSizeController(hold_on_plateau=...)); "
-                        "default off")
+                        "default 0.15, the library's; 'none': off")
     p.add_argument("--work-dir", default=None, help="token file and checkpoints (default: a temporary folder)")
     return p
 

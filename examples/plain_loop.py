@@ -38,11 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         # short warm-up and cool-down so that a few hundred steps show a change
         controller = BatchSizeController(
-            warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=2.0
+            warmup_steps=20, warmup_tokens=0, cooldown_tokens=0, patience=4, window=8, kappa=2.0,
+            hold_on_plateau=None,  # no hold on a loss plateau (read a quarter into the run)
         )
         budget = min(args.tokens, 1.5e5)
     else:
-        controller = BatchSizeController()  # the defaults
+        controller = BatchSizeController(total_tokens=args.tokens)  # the defaults, with the run's length
         budget = args.tokens
 
     with TensorBoardLogger(args.logdir) as logger:
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 with tracker.microbatch(labels=y):
                     _, loss = model(x, y)
                     (loss / tracker.accumulation_steps).backward()
+                tracker.observe_loss(loss)  # for the default's hold on a loss plateau
             record = tracker.step()  # before clipping: the norm is read unclipped
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(GPTConfig(context_length=args.seq_len)).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_adamw(ddp.module, lr=args.lr, weight_decay=0.1)
-    controller = BatchSizeController(warmup_steps=args.warmup_steps, patience=args.patience)
+    # short demo runs: no hold on a loss plateau (the default; it reads the loss a quarter into a known run length)
+    controller = BatchSizeController(warmup_steps=args.warmup_steps, patience=args.patience, hold_on_plateau=None)
     tracker = CBSTracker(ddp, optimizer, accumulation_steps=args.accumulation, controller=controller)
     stream = SequenceStream(corpus.train, seq_len=args.seq_len, seed=args.seed)
     micro_tokens = args.micro_sequences * args.seq_len

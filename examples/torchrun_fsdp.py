@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         fully_shard(block, **shard_kw)
     fully_shard(model, **shard_kw)  # the root: embeddings, tied head, final LayerNorm
     optimizer = make_adamw(model, lr=args.lr, weight_decay=0.1)  # over the sharded parameters
-    controller = BatchSizeController(warmup_steps=args.warmup_steps, patience=args.patience)
+    # short demo runs: no hold on a loss plateau (the default; it reads the loss a quarter into a known run length)
+    controller = BatchSizeController(warmup_steps=args.warmup_steps, patience=args.patience, hold_on_plateau=None)
     tracker = FSDPTracker(
         model, optimizer, accumulation_steps=args.accumulation, controller=controller,
         gradient_sync=args.gradient_sync,

@@ -842,7 +842,7 @@ class CBSCallback(Callback):
         # before fit: check everything now (on copies); the data-parallel degree is checked at fit
         dp = state_dict.get("dp_degree", 1)
         dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else 1
-        self._settings.scratch_session(dp).load_state_dict(dict(state_dict))
+        self._settings.check_state(dict(state_dict), dp)
         self._restored = dict(state_dict)
 
 

@@ -557,7 +557,7 @@ class CBSOlmoCallback(Callback):
             )
         if self.engine is None:  # check it now, on copies
             dp = int(state_dict["session"].get("dp_degree", 1))
-            self._settings.scratch_session(dp).load_state_dict(dict(state_dict["session"]))
+            self._settings.check_state(dict(state_dict["session"]), dp)
             self._restored = dict(state_dict)
             return
         self.engine.load_state_dict(dict(state_dict["session"]))

@@ -72,7 +72,8 @@ def make_controller() -> BatchSizeController:
     # Short warm-up and no cool-down so that a dozen steps see decisions (kappa=3 so that
     # they are doublings; the default kappa is tested in test_controller).
     return BatchSizeController(
-        kappa=3.0, warmup_steps=3, warmup_tokens=0, cooldown_tokens=0, patience=2, window=3, feedback_guard=False
+        kappa=3.0, warmup_steps=3, warmup_tokens=0, cooldown_tokens=0, patience=2, window=3, feedback_guard=False,
+        hold_on_plateau=None,  # doublings from the first steps (the hold is tested in test_plateau*)
     )
 
 

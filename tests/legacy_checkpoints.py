@@ -19,15 +19,17 @@ PLAIN_STEPS, PLAIN_SAVE_AT = 300, 221  # saved after the first doubling (step 19
 LIGHTNING_EPOCHS = 3
 
 
-def lightning_parts():
-    """A fresh callback, recorder, module and dataset (the configuration of the committed run)."""
+def lightning_parts(**controller_settings):
+    """A fresh callback, recorder, module and dataset (the configuration of the committed run: its controller had
+    no hold on a loss plateau, ``hold_on_plateau=None``, the default then; ``controller_settings`` override)."""
+    controller_settings = {"hold_on_plateau": None, **controller_settings}
     from cbs_tracker import BatchSizeController, CBSCallback
     from tests.estimators import NoIntervalEstimator
     from tests.lightning_workers import Recorder, Regression, regression_data
 
     cb = CBSCallback(
         controller=BatchSizeController(kappa=2.0, warmup_steps=5, warmup_tokens=0, patience=3, window=4,
-                                       cooldown_tokens=0),
+                                       cooldown_tokens=0, **controller_settings),
         estimator=NoIntervalEstimator(horizon_steps=5, min_steps=3),
     )
     return cb, Recorder(cb), Regression(lr=0.05), regression_data(512)

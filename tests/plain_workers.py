@@ -26,7 +26,8 @@ D, SIGMA, MICRO = 8, 1.0, 4
 def make_controller() -> BatchSizeController:
     # kappa=1 so that a few hundred steps see several doublings (the default is tested in test_controller)
     return BatchSizeController(
-        kappa=1.0, warmup_steps=20, warmup_tokens=0, cooldown_tokens=64, patience=4, window=8, max_batch=256
+        kappa=1.0, warmup_steps=20, warmup_tokens=0, cooldown_tokens=64, patience=4, window=8, max_batch=256,
+        hold_on_plateau=None,  # doublings from the first steps (the hold is tested in test_plateau*)
     )
 
 

@@ -469,11 +469,13 @@ def test_resume_from_state_dict_takes_the_same_decisions(split):
 
 
 def test_state_dict_has_fixed_plain_keys():
-    ctrl = BatchSizeController()
+    # the hold on a loss plateau saves its fit's points as lists (tests/test_plateau.py); without it every value is
+    # a plain number
+    ctrl = BatchSizeController(hold_on_plateau=None)
     simulate(ctrl, _noisy_rise(0), 50)
     state = ctrl.state_dict()
     assert state["version"] == 1
-    assert set(state) == set(BatchSizeController().state_dict())
+    assert set(state) == set(BatchSizeController(hold_on_plateau=None).state_dict())
     for key, value in state.items():
         if key == "recent_noise_scales":
             assert all(isinstance(v, float) for v in value)
@@ -1051,17 +1053,18 @@ def test_a_state_saved_without_an_lr_reference_resumes_from_the_lr_at_resume():
     # the earlier default (kappa 0.5, no conversion) saved lr_reference 0: under the new default
     # the halvings count from the scheduled LR at resume (0.6 here: the next one at 0.3), with a
     # warning that says how to resume as before; the earlier configuration resumes silently
-    old = BatchSizeController(kappa=0.5, convert_lr_decay=False, margin=100.0)
+    old = BatchSizeController(kappa=0.5, convert_lr_decay=False, hold_on_plateau=None, margin=100.0)
     _, (step, tokens, acc) = simulate_lr(old, lambda *a: 8.0 * MICRO, lambda step: 1.0, 300)
     state = json.loads(json.dumps(old.state_dict()))
     assert state["lr_reference"] == 0.0 and acc == 1
     lr_at = lambda step: 0.6 if step < 500 else 0.35 if step < 700 else 0.3  # noqa: E731
     new = BatchSizeController(margin=100.0)
-    new.load_state_dict(state)
+    with pytest.warns(UserWarning, match="saved without the hold"):  # and today's hold on a plateau is not read
+        new.load_state_dict(state)
     with pytest.warns(UserWarning, match=r"count from 0\.6, its value at resume.*kappa=0\.5, convert_lr_decay=False"):
         decisions, _ = simulate_lr(new, lambda *a: 8.0 * MICRO, lr_at, 600, start_step=step + 1, tokens=tokens)
     assert [(d.step, d.accumulation_steps) for d in changes(decisions)] == [(700, 2)]
-    same = BatchSizeController(kappa=0.5, convert_lr_decay=False, margin=100.0)
+    same = BatchSizeController(kappa=0.5, convert_lr_decay=False, hold_on_plateau=None, margin=100.0)
     same.load_state_dict(state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1244,7 +1247,7 @@ def test_a_measured_doubling_states_the_lower_end_it_cleared():
 
 
 def test_the_feedback_trap_warning_states_the_median_and_the_bound_it_compared():
-    ctrl = BatchSizeController(feedback_strikes=1)
+    ctrl = BatchSizeController(feedback_strikes=1, hold_on_plateau=None)  # no run length: the hold would say so first
     with pytest.warns(RuntimeWarning, match="follows the batch") as caught:
         simulate(ctrl, lambda step, tokens, batch: 10.0 * batch, 4000)
     said = str(caught[0].message)

@@ -251,7 +251,7 @@ def test_min_batch_lifts_the_target_as_under_kappa_and_does_not_block_growth():
 def test_the_budget_refuses_shrinking_and_warns_once_without_a_run_length():
     with pytest.raises(ValueError, match=r"efficiency_budget=0.1, allow_shrink=True"):
         BatchSizeController(efficiency_budget=0.1, allow_shrink=True)
-    c = BatchSizeController(efficiency_budget=0.1, convert_lr_decay=False)
+    c = BatchSizeController(efficiency_budget=0.1, convert_lr_decay=False, hold_on_plateau=None)
     with pytest.warns(UserWarning, match=r"efficiency_budget=0.1\) has no run length.*tracker.done") as caught:
         drive(c, total=1e6, noise_scale=lambda t: 6000.0)
     assert sum("no run length" in str(w.message) for w in caught) == 1

@@ -16,7 +16,7 @@ def toy():
 def test_the_gate_frees_the_run_the_ungated_option_holds_at_its_tokens_per_parameter(toy):
     steps = 1500  # the benchmark's run, one seed: 768,000 tokens of 512-token batches; 544 parameters
     ungated_loss, ungated_steps, ungated = toy.train(0, "ungated", steps)
-    gated_loss, gated_steps, gated = toy.train(0, "gated", steps)
+    gated_loss, gated_steps, gated = toy.train(0, "gated", steps)  # the library's default
     assert ungated.plateau.held is True and ungated_steps == steps and ungated.plateau.gated is None
     assert gated.model_parameters == toy.V * toy.D + toy.D * toy.V + toy.V == 544
     assert gated.plateau.held is False and gated.plateau.verdict_slope < 0.15

@@ -87,7 +87,7 @@ WARMUP, MARGIN = 4, 0.1
 def controller(kappa) -> BatchSizeController:
     # one measurement decides (window 1, patience 1), so the doubling can be computed by hand
     return BatchSizeController(kappa=kappa, warmup_steps=WARMUP, warmup_tokens=0, patience=1, window=1,
-                               cooldown_tokens=0, margin=MARGIN, feedback_guard=False)
+                               cooldown_tokens=0, margin=MARGIN, feedback_guard=False, hold_on_plateau=None)
 
 
 def doubling_by_hand(rows, kappa_at) -> int | None:

@@ -249,7 +249,7 @@ def test_lightning_growth_is_capped_at_what_an_epoch_holds(batches):
             lrs.append((trainer.accumulate_grad_batches, optimizer.param_groups[0]["lr"]))
 
     controller = BatchSizeController(warmup_steps=1, warmup_tokens=0, patience=1, window=1, cooldown_tokens=0,
-                                     kappa=1e6, feedback_guard=False)
+                                     kappa=1e6, feedback_guard=False, hold_on_plateau=None)
     cbs = CBSCallback(controller=controller, estimator=NoiseScaleEstimator(horizon_steps=3, min_steps=2),
                       lr_coupling="linear")
     trainer = _trainer(max_epochs=6, accumulate_grad_batches=2, limit_train_batches=batches, callbacks=[cbs, LR()])

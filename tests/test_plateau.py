@@ -87,10 +87,10 @@ def test_the_slope_is_the_least_squares_fit_over_the_second_half_from_twice_the_
 def test_the_library_decides_as_the_frontiers_prototype_step_for_step(proof_lr, loss_at, exit):
     """Same losses (with noise), noise scale and LR: the same doublings at the same steps and the same
     conversions as ``plateau_held`` on the default controller; and on the steep loss the first growth comes
-    after a quarter of the run, where the default without the option grows earlier."""
+    after a quarter of the run, where the rule without the option grows earlier."""
     library = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_exit=exit,
                                   plateau_tokens_per_parameter=None)
-    prototype = proof_lr.plateau_held(BatchSizeController(total_tokens=TOTAL), below=0.15, warmup_tokens=WARMUP,
+    prototype = proof_lr.plateau_held(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=None), below=0.15, warmup_tokens=WARMUP,
                                       total_tokens=TOTAL, exit=exit)
     ours = feed(library, loss_at, rng=random.Random(1), jitter=0.02)
     theirs = feed(prototype, loss_at, rng=random.Random(1), jitter=0.02)
@@ -98,8 +98,8 @@ def test_the_library_decides_as_the_frontiers_prototype_step_for_step(proof_lr, 
     assert library.plateau.held == prototype.plateau_held
     assert library.plateau.verdict_slope == pytest.approx(prototype.plateau_slope, rel=1e-9)
     if loss_at is steep:
-        default, _ = feed(BatchSizeController(total_tokens=TOTAL), loss_at)
-        assert default[0] * MICRO < 0.25 * TOTAL < ours[0][0] * MICRO
+        without, _ = feed(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=None), loss_at)
+        assert without[0] * MICRO < 0.25 * TOTAL < ours[0][0] * MICRO
     if loss_at is flat:
         assert ours == ([], 0) and library.plateau.held is True
     if loss_at is bent:
@@ -151,7 +151,7 @@ def test_the_size_gate_decides_as_the_frontiers_prototype_and_lets_a_run_past_20
     with pytest.raises(ValueError, match=r"parameters=0, tokens_per_parameter=20\): both must be > 0"):
         proof_lr.plateau_gated_by_size(ungated(), parameters=0, tokens_per_parameter=20)
     with pytest.raises(ValueError, match="has no hold_on_plateau to gate"):
-        proof_lr.plateau_gated_by_size(BatchSizeController(), parameters=10, tokens_per_parameter=20)
+        proof_lr.plateau_gated_by_size(BatchSizeController(hold_on_plateau=None), parameters=10, tokens_per_parameter=20)
     with pytest.raises(ValueError, match=r"gated already \(plateau_tokens_per_parameter=20\)"):
         proof_lr.plateau_gated_by_size(BatchSizeController(hold_on_plateau=0.15), parameters=10,
                                        tokens_per_parameter=20)
@@ -288,7 +288,7 @@ def test_a_verdict_due_before_the_slope_can_be_read_waits_for_it_held_and_says_s
 
 @pytest.mark.filterwarnings("ignore:.*convert_until=0.85. has no run length")
 def test_without_a_loss_or_a_run_length_it_says_so_and_the_rule_decides_as_without_the_option():
-    plain = feed(BatchSizeController(total_tokens=TOTAL), steep)
+    plain = feed(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=None), steep)
 
     class NoLoss(BatchSizeController):
         observe_loss = None  # feed() skips it: no loss reaches the controller
@@ -300,13 +300,13 @@ def test_without_a_loss_or_a_run_length_it_says_so_and_the_rule_decides_as_witho
     held_first = [s for s in plain[0] if s * MICRO < 0.25 * TOTAL]
     assert held_first and unread[0][0] * MICRO >= 0.25 * TOTAL  # held until the verdict, then the rule's own
     with pytest.warns(UserWarning, match=r"hold_on_plateau=0.15\) has no run length.*nothing is held"):
-        assert feed(BatchSizeController(hold_on_plateau=0.15), flat) == feed(BatchSizeController(), flat)
+        assert feed(BatchSizeController(hold_on_plateau=0.15), flat) == feed(BatchSizeController(hold_on_plateau=None), flat)
 
 
 def test_the_options_are_checked_and_a_loss_that_is_not_finite_is_skipped():
     for kwargs, match in [({"hold_on_plateau": 0.0}, r"hold_on_plateau=0.0\): must be finite and > 0"),
                           ({"hold_on_plateau": 0.15, "plateau_at": 1.0}, r"plateau_at=1.0\): must be in \(0, 1\)"),
-                          ({"plateau_exit": 0.3}, r"plateau_exit=0.3, hold_on_plateau=None\): plateau_exit needs"),
+                          ({"hold_on_plateau": None, "plateau_exit": 0.3}, r"plateau_exit=0.3, hold_on_plateau=None\): plateau_exit needs"),
                           ({"hold_on_plateau": 0.15, "plateau_exit": 0.1}, r"must be at least it")]:
         with pytest.raises(ValueError, match=match):
             BatchSizeController(**kwargs)

@@ -38,7 +38,7 @@ def test_steps_at_the_end_are_the_committed_runs_step_counts(escape):
     changes, dated on the trace's grid (up to 8,192 tokens late, each), can add: 8,192 x (1 / B_before - 1 / B_after)
     steps a change."""
     runs = [r for r in escape.frontier.load()["runs"] if r["setting"] in ("wide", "long")
-            and r["rule"] in ("constant", escape.frontier.DEFAULT_RULE)]
+            and r["rule"] in ("constant", escape.frontier.KAPPA_RULE)]
     assert len(runs) == 32
     for r in runs:
         steps = escape.steps_at(r["batch_changes"], r["tokens"])
@@ -99,7 +99,7 @@ def test_around_the_escape_the_trace_is_read_before_and_after_it_and_a_run_that_
 def test_the_results_table_is_what_the_committed_frontier_gives(escape):
     """``docs/results.md``'s escape table is the script's on ``docs/frontier.json`` (the command beside it)."""
     runs = escape.frontier.load()["runs"]
-    table = escape.escape_table(runs, ["wide", "wide_lr3", "long", "narrow"], escape.frontier.DEFAULT_RULE, 0.1)
+    table = escape.escape_table(runs, ["wide", "wide_lr3", "long", "narrow"], escape.frontier.KAPPA_RULE, 0.1)
     results = (escape.frontier.ROOT / "docs" / "results.md").read_text()
     assert "python benchmarks/plateau_escape.py --settings wide,wide_lr3,long,narrow\n" in results
     assert "\n".join("  " + line for line in table.splitlines()) in results

@@ -215,7 +215,7 @@ def _resume_args(out, **kw):
 
 def _controller():
     return BatchSizeController(warmup_steps=4, warmup_tokens=0, patience=2, window=3, cooldown_tokens=0, kappa=4.0,
-                               feedback_guard=False)
+                               feedback_guard=False, hold_on_plateau=None)
 
 
 def test_resume_mid_run_gives_the_same_schedule_as_an_uninterrupted_run(tmp_path):

@@ -57,7 +57,7 @@ GUIDE_EDITS = [
      '        is_accumulating = _ < tracker.accumulation_steps - 1\n'
      '        with tracker.microbatch(labels=targets):\n'),
     ('            fabric.backward(loss / train.gradient_accumulation_iters(devices, num_nodes))\n',
-     '            fabric.backward(loss / tracker.accumulation_steps)\n'),
+     '            fabric.backward(loss / tracker.accumulation_steps)\n            tracker.observe_loss(loss)\n'),
     # tracker.step() before clipping
     ('        if not is_accumulating:\n            fabric.clip_gradients(',
      '        if not is_accumulating:\n            tracker.step()\n            fabric.clip_gradients('),
@@ -72,16 +72,11 @@ def _source(path: Path, name: str) -> str:
     raise SystemExit(f"{path}: no function {name}()")
 
 
-#: ``--hold-on-plateau``: the guide's line that gives the tracker each microbatch's loss
-OBSERVE_EDIT = ('            fabric.backward(loss / tracker.accumulation_steps)\n',
-                '            fabric.backward(loss / tracker.accumulation_steps)\n            tracker.observe_loss(loss)\n')
-
-
 def _edit(fit: str, hold_on_plateau: float | None = None) -> str:
     edits = list(GUIDE_EDITS)
     if hold_on_plateau is not None:
         edits = [(old, new.replace("BatchSizeController()", f"BatchSizeController(hold_on_plateau={hold_on_plateau})"))
-                 for old, new in edits] + [OBSERVE_EDIT]
+                 for old, new in edits]
     for old, new in edits:
         if fit.count(old) != 1:
             raise SystemExit(f"LitGPT's fit() has changed: {old!r} occurs {fit.count(old)} times (once expected)")
@@ -117,7 +112,7 @@ def main() -> int:
     p.add_argument("--tracker", action="store_true", help="fit() with the guide's lines")
     p.add_argument("--show-diff", action="store_true")
     p.add_argument("--hold-on-plateau", type=float, default=None,
-                   help="with --tracker: BatchSizeController(hold_on_plateau=X) and tracker.observe_loss(loss)")
+                   help="with --tracker: BatchSizeController(hold_on_plateau=X) in place of the default (0.15)")
     p.add_argument("--max-tokens", type=int, default=600_000, help="TrainArgs.max_tokens")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8, help="micro batch x 2: gradient accumulation 2")

@@ -553,9 +553,9 @@ def budget_mode_available() -> bool:
     return "budget_tokens" in inspect.signature(BatchSizeController).parameters
 
 
-#: the controller's defaults when these rules were named (kappa 0.5, no LR-decay conversion); a
-#: rule keeps them whatever the library's defaults, so its stored results keep their meaning
-EARLIER_DEFAULTS: dict[str, Any] = {"kappa": 0.5, "kappa_rise": 1.0, "convert_lr_decay": False}
+#: the controller's defaults when these rules were named (kappa 0.5, no LR-decay conversion, no hold on a loss
+#: plateau); a rule keeps them whatever the library's defaults, so its stored results keep their meaning
+EARLIER_DEFAULTS: dict[str, Any] = {"kappa": 0.5, "kappa_rise": 1.0, "convert_lr_decay": False, "hold_on_plateau": None}
 
 
 def make_controller(spec: RunSpec, setting: Setting, micro_tokens: int) -> Any:

@@ -411,7 +411,12 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
 
 
 def _controller_of(run: Run, setting: base.Setting) -> Any:
-    from cbs_tracker.policy.controller import BatchSizeController
+    from cbs_tracker.policy.controller import BatchSizeController as Library
+
+    def BatchSizeController(**settings: Any) -> Any:  # noqa: N802 - the library's class, as the rules were named
+        """The library's controller without a hold on a loss plateau unless the rule names one: every rule but the
+        ``library:hold_on_plateau`` ones was named before the hold was the library's default."""
+        return Library(**{"hold_on_plateau": None, **settings})
 
     if run.schedule in ("constant", "constant_fast"):
         return None
@@ -431,7 +436,7 @@ def _controller_of(run: Run, setting: base.Setting) -> Any:
         return BatchSizeController(**earlier, budget_tokens=setting.budget_tokens)
     if run.schedule == "tracker_library_default":
         # the library's default as a user gets it, with the run's length (an adapter gives it)
-        return BatchSizeController(total_tokens=setting.budget_tokens)
+        return Library(total_tokens=setting.budget_tokens)
     library_plateau = _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule)
     if library_plateau is not None:  # the library's default with its hold_on_plateau, the loss from the tracker
         gate = library_plateau.group(2)  # the size gate's tokens per parameter (the tracker gives the model's count)

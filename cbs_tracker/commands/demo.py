@@ -227,6 +227,7 @@ def _train(args, corpus, *, controller, logger, progress, trace: LossTrace, say_
             with tracker.microbatch(labels=y):
                 _, loss = model(x, y)
                 (loss / tracker.accumulation_steps).backward()
+            tracker.observe_loss(loss)  # the default's hold on a loss plateau reads it
             total += float(loss.detach())
         last_loss = total / len(window)
         record = tracker.step()  # after backward, before clipping
@@ -267,7 +268,7 @@ def main(argv: list[str]) -> int:
         from cbs_tracker.integrations.tensorboard import TensorBoardLogger
 
         logger = TensorBoardLogger(args.logdir)
-    controller = BatchSizeController(observe_only=args.observe_only)
+    controller = BatchSizeController(observe_only=args.observe_only, total_tokens=args.tokens)  # the run's length
     start_batch = args.accumulation * micro_tokens
     params = GPT(GPTConfig(context_length=args.seq_len)).num_parameters()
     print(

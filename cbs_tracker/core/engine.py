@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -75,6 +76,13 @@ class EngineSettings:
             owner=self.owner, unit=self.unit, starting_accumulation=1, dp_degree=dp_degree,
             estimator=copy.deepcopy(self.estimator), controller=copy.deepcopy(self.controller),
         )
+
+    def check_state(self, state: dict[str, Any], dp_degree: int) -> None:
+        """Load ``state`` on a scratch session (copies): it raises what the run's own load would, and its warnings
+        are left to that load, which says them."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.scratch_session(dp_degree).load_state_dict(state)
 
 
 def model_parameter_count(model: nn.Module) -> int:

@@ -512,9 +512,11 @@ class TrackingSession:
     # ------------------------------------------------------------------ the training loss
     def wants_loss(self) -> bool:
         """The controller reads the training loss now (``hold_on_plateau`` before its verdict, or held with
-        an exit); elsewhere :meth:`observe_loss` does nothing."""
+        an exit, and the run's length known: without it there is no verdict); elsewhere :meth:`observe_loss` does
+        nothing (on several ranks, no reduction of the loss either)."""
         plateau = getattr(self.controller, "plateau", None)
-        return bool(getattr(plateau, "collecting", False))
+        known = getattr(self.controller, "total_tokens", None) is not None or self._run_length is not None
+        return bool(getattr(plateau, "collecting", False)) and known
 
     def observe_loss(self, loss: Any) -> None:
         """One microbatch's loss on this rank (its mean over its units, not divided by the accumulation), for a

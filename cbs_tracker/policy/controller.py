@@ -162,8 +162,9 @@ class BatchSizeController:
             critical batch ``B_noise``, where a run needs about twice the minimal data;
             at a fixed budget the loss-optimal batch sits below it). Default 0.4, with
             ``convert_lr_decay`` up to ``convert_until=0.85``: chosen on small GPTs under cosine and
-            warmup-stable-decay schedules; on a fifth it was not chosen on it ended well above the
-            constant batch (results.md). ``kappa=0.5`` without conversion is the earlier default.
+            warmup-stable-decay schedules; alone (``hold_on_plateau=None``) it ended well above the
+            constant batch on GPTs whose loss sits on a plateau, which the default ``hold_on_plateau``
+            holds (results.md). ``kappa=0.5`` without conversion is an earlier default.
             A :class:`~cbs_tracker.policy.kappa.KappaSchedule` (or a list of ``(tokens, kappa)``
             pairs) gives a *measured* ``kappa`` that moves with the units seen, as a branched
             calibration reports it
@@ -212,14 +213,15 @@ class BatchSizeController:
             the run (``total_tokens``, or the length an adapter gives); there, read how fast the training loss
             falls, ``-dL / d ln T`` by least squares over the second half of the tokens seen (from twice the
             LR's warm-up on), and below ``hold_on_plateau`` nats per e-fold of tokens (a loss on its plateau)
-            hold for the rest of the run; otherwise the rule is in force from then on. ``None`` (default):
-            off. ``0.15`` kept the loss on 27 of 28 small-GPT settings and schedules where the default kept
-            it on 16, saving fewer steps (results.md): a hypothesis read off eight of them, in nats, which
-            a run long for its model falls slower than a quarter in; past ``plateau_tokens_per_parameter`` such
-            a run is not held (see there). It needs each
-            step's training loss (:meth:`observe_loss`; the adapters pass it where they see the loss);
-            with none at the verdict it warns and does nothing. Without the run's length nothing is held
-            (said once). A budget plan (``budget_tokens``) is not held.
+            hold for the rest of the run; otherwise the rule is in force from then on. Default ``0.15``: it
+            kept the loss on 27 of 28 small-GPT settings and schedules where the ``kappa`` rule alone
+            (``None``, the earlier default) kept it on 16, saving up to 14 points fewer of the steps where both
+            kept it (results.md): a hypothesis read off eight of them, in nats, which a run long for its model
+            falls slower than a quarter in; past ``plateau_tokens_per_parameter`` such a run is not held (see
+            there). It needs each step's training loss (:meth:`observe_loss`; the adapters pass it where they
+            see the loss); with none at the verdict it warns and the rule is in force from then on. Without the
+            run's length nothing is held (said once). A budget plan (``budget_tokens``) is not held. A state
+            saved without the hold resumes without it (said once).
 
         allow_shrink: allow halving when the target falls well below the batch. Default
             ``False``.
@@ -311,7 +313,7 @@ class BatchSizeController:
         budget_tokens: float | None = None,
         efficiency_budget: float | None = None,
         total_tokens: float | None = None,
-        hold_on_plateau: float | None = None,
+        hold_on_plateau: float | None = 0.15,
         allow_shrink: bool = False,
         observe_only: bool = False,
         lr_scaling: LRScaling | None = None,
@@ -633,10 +635,27 @@ class BatchSizeController:
         if schedule is not None:
             self._kappa_schedule = schedule
         self._apply_run_length()  # the adapter's run length the state carries (the user's total_tokens wins)
+        self._keep_a_run_begun_without_the_hold(state)
         self._kappa_now = self._kappa_at(self._level.last_tokens)
         # a state with no scheduled-LR reference (saved with convert_lr_decay=False, the earlier
         # default, or without a scheduled LR): its halvings count from the scheduled LR at resume
         self._resumed_without_lr_reference = self._level.started and self._conversion.reference == 0.0
+
+    def _keep_a_run_begun_without_the_hold(self, state: Mapping[str, Any]) -> None:
+        """A run that began without ``hold_on_plateau`` (its state has no ``plateau_held``: saved with
+        ``hold_on_plateau=None``, or before the hold was the default) goes on without it: a verdict read mid-run
+        would hold growth the run has already taken. Said once."""
+        if not self._plateau.active or "plateau_held" in state or not self._level.started:
+            return
+        self._plateau.held = False
+        self._plateau.slope.clear()
+        if "begun without the hold" in self._warned_no_run_length:
+            return
+        self._warned_no_run_length.add("begun without the hold")  # the once-said warnings
+        warnings.warn(f"BatchSizeController(hold_on_plateau={self._plateau.below:g}): the state was saved without "
+                      "the hold (hold_on_plateau=None, or cbs-tracker before it was the default), so the run goes on "
+                      "without it, as it began; build the controller with hold_on_plateau=None to say so",
+                      UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------ properties
     @property
@@ -783,7 +802,7 @@ class BatchSizeController:
         if not plateau.active:
             return
         plateau.slope.observe_lr(tokens, scheduled_lr)
-        if self.total_tokens is None and "hold_on_plateau" not in self._warned_no_run_length \
+        if self.total_tokens is None and plateau.held is None and "hold_on_plateau" not in self._warned_no_run_length \
                 and self._level.started and self._rules.waiting(self._level, tokens) != "warm-up":
             self._warned_no_run_length.add("hold_on_plateau")
             warnings.warn(f"BatchSizeController(hold_on_plateau={plateau.below:g}) has no run length "
