@@ -72,9 +72,10 @@ def _source(path: Path, name: str) -> str:
     raise SystemExit(f"{path}: no function {name}()")
 
 
-def _edit(fit: str, hold_on_plateau: float | None = None) -> str:
+def _edit(fit: str, hold_on_plateau: float | None | str = "default") -> str:
+    """``fit`` with the guide's lines; ``hold_on_plateau`` other than ``"default"`` is passed to the controller."""
     edits = list(GUIDE_EDITS)
-    if hold_on_plateau is not None:
+    if hold_on_plateau != "default":
         edits = [(old, new.replace("BatchSizeController()", f"BatchSizeController(hold_on_plateau={hold_on_plateau})"))
                  for old, new in edits]
     for old, new in edits:
@@ -111,8 +112,9 @@ def main() -> int:
     p.add_argument("trace", type=Path)
     p.add_argument("--tracker", action="store_true", help="fit() with the guide's lines")
     p.add_argument("--show-diff", action="store_true")
-    p.add_argument("--hold-on-plateau", type=float, default=None,
-                   help="with --tracker: BatchSizeController(hold_on_plateau=X) in place of the default (0.15)")
+    p.add_argument("--hold-on-plateau", type=lambda v: None if v == "none" else float(v), default="default",
+                   help="with --tracker: BatchSizeController(hold_on_plateau=X) in place of the default (0.15); "
+                        "'none': the kappa rule alone")
     p.add_argument("--max-tokens", type=int, default=600_000, help="TrainArgs.max_tokens")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8, help="micro batch x 2: gradient accumulation 2")
