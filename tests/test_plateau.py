@@ -320,3 +320,28 @@ def test_the_options_are_checked_and_a_loss_that_is_not_finite_is_skipped():
     assert ctrl.plateau.slope.seen == 0
     ctrl.observe_loss(30.0, 2.0)
     assert ctrl.plateau.slope.seen == 1
+
+
+def test_the_default_hold_reads_tokens_and_is_off_where_an_adapter_says_the_units_are_samples():
+    """``hold_on_plateau="auto"`` (the default) is 0.15 where the units are tokens (its threshold was read off
+    language models' loss per token, in nats) and off in samples, where it decides as ``hold_on_plateau=None``; a
+    threshold asked for is kept in samples; an unknown word is refused."""
+    alone = feed(BatchSizeController(total_tokens=TOTAL, hold_on_plateau=None), flat)
+    assert alone[0]  # the kappa rule alone grows on this noise scale, plateau or not
+    for unit, active in (("tokens", True), ("samples", False)):
+        default = BatchSizeController(total_tokens=TOTAL)
+        default.set_model_parameters(1_000_000, unit=unit)
+        assert default.plateau.active is active and default.plateau.below == (0.15 if active else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            decided = feed(default, flat)
+        assert (decided == alone) is not active  # in tokens the flat loss holds it for good
+        assert ("plateau_held" in default.state_dict()) is active
+    asked = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+    asked.set_model_parameters(1_000_000, unit="samples")
+    assert asked.plateau.active and feed(asked, flat) == ([], 0)
+    with pytest.raises(ValueError, match=r"hold_on_plateau='on'\): expected a number > 0 .*'auto'"):
+        BatchSizeController(hold_on_plateau="on")
+    assert BatchSizeController(hold_on_plateau="auto", plateau_exit=0.3).plateau.exit == 0.3
+    with pytest.raises(ValueError, match="must be at least it"):
+        BatchSizeController(plateau_exit=0.1)

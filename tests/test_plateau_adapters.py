@@ -212,3 +212,13 @@ def test_each_adapter_gives_the_models_parameter_count_and_its_unit(tmp_path, ad
         AcceleratorTracker(acc, model, optimizer, controller=ctrl, unit=unit)
         whole = dw.D_IN * dw.HIDDEN + dw.HIDDEN + dw.HIDDEN + 1
     assert ctrl.model_parameters == whole and ctrl.plateau.in_samples == (unit == "samples")
+
+
+@pytest.mark.parametrize("unit", ["tokens", "samples"])
+def test_the_trackers_unit_turns_the_default_hold_on_in_tokens_and_off_in_samples(unit):
+    from cbs_tracker import CBSTracker
+
+    model = torch.nn.Linear(8, 1)
+    default = BatchSizeController()
+    CBSTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, controller=default, unit=unit)
+    assert default.plateau.active is (unit == "tokens") and default.model_parameters == 9
