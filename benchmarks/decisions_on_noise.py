@@ -26,7 +26,7 @@ def run(seed: int, *, truth: float, steps: int, micro: float, a0: int, evidence:
     d = 256
     var = truth / d  # per-coordinate variance of one example's gradient: tr(Sigma) = truth
     est = NoiseScaleEstimator()
-    ctrl = BatchSizeController()
+    ctrl = BatchSizeController(hold_on_plateau=None)  # a noise scale, no loss: the rule alone
     acc, units, batches = a0, 0.0, []
     for step in range(1, steps + 1):
         k = acc
@@ -53,7 +53,7 @@ def main() -> None:
     args = p.parse_args()
     micro, a0 = 4.0, 2
     start = micro * a0
-    ctrl = BatchSizeController()
+    ctrl = BatchSizeController(hold_on_plateau=None)  # a noise scale, no loss: the rule alone
     allowed = start
     while allowed * 2 <= ctrl.kappa * args.truth / (1 + ctrl.margin):
         allowed *= 2

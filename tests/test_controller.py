@@ -485,6 +485,22 @@ def test_state_dict_has_fixed_plain_keys():
             assert isinstance(value, (int, float)) and not isinstance(value, bool), key
 
 
+def test_the_defaults_state_adds_the_holds_keys_and_survives_json():
+    # the default's hold on a loss plateau saves its fit (lists), its verdict (None before it) and its gate
+    ctrl = BatchSizeController(total_tokens=1e7)
+    simulate(ctrl, _noisy_rise(0), 50)
+    plain = BatchSizeController(hold_on_plateau=None, total_tokens=1e7)
+    simulate(plain, _noisy_rise(0), 50)
+    state = ctrl.state_dict()
+    assert set(state) - set(plain.state_dict()) == {
+        "loss_points", "loss_sums", "loss_warmup", "loss_last_lr", "losses_seen", "plateau_held",
+        "plateau_verdict_slope", "plateau_verdict_tokens", "plateau_exit_tokens", "plateau_gated"}
+    assert state["plateau_held"] is None and state["loss_points"] == [] and len(state["loss_sums"]) == 5
+    resumed = BatchSizeController(total_tokens=1e7)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert resumed.state_dict() == state and resumed.plateau.collecting
+
+
 def test_load_state_dict_strict_on_required_tolerant_of_new_optional_keys():
     ctrl = BatchSizeController()
     simulate(ctrl, _noisy_rise(0), 50)

@@ -228,6 +228,8 @@ def test_the_library_plateau_rule_is_the_librarys_controller_with_hold_on_platea
         frontier.proof_lr.Run(frontier.RULES["library:hold_on_plateau=0.15"], 0, "wsd"), setting)
     assert type(made) is BatchSizeController and not hasattr(made, "slope_points")
     assert frontier.base.controller_config(made) == frontier.base.controller_config(
+        BatchSizeController(total_tokens=setting.budget_tokens, plateau_tokens_per_parameter=None))
+    assert frontier.base.controller_config(made) != frontier.base.controller_config(  # the config sees the gate
         BatchSizeController(total_tokens=setting.budget_tokens))
     assert (made.plateau.below, made.plateau.at, made.plateau.exit, made.convert_until) == (0.15, 0.25, None, 0.85)
 

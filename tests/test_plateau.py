@@ -345,3 +345,45 @@ def test_the_default_hold_reads_tokens_and_is_off_where_an_adapter_says_the_unit
     assert BatchSizeController(hold_on_plateau="auto", plateau_exit=0.3).plateau.exit == 0.3
     with pytest.raises(ValueError, match="must be at least it"):
         BatchSizeController(plateau_exit=0.1)
+
+
+def test_a_verdict_that_cannot_be_read_by_half_the_run_gives_way_to_the_rule_and_says_so():
+    """A warm-up of 30% of the run (``OneCycleLR``'s default ``pct_start``): the slope could be read only from 75%; the
+    verdict waits, held, until half the run (twice ``plateau_at``) and then lets the rule grow, with a warning."""
+    warmup = 0.3 * TOTAL
+    ctrl = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15)
+    tokens, grown = 0.0, []
+    with pytest.warns(UserWarning) as said:
+        for step in range(1, STEPS + 1):
+            tokens += MICRO
+            ctrl.observe_loss(tokens, steep(tokens))
+            d = ctrl.update(step=step, tokens_seen=tokens, global_batch=MICRO, accumulation_steps=1,
+                            noise_scale=10 * MICRO, noise_scale_low=10 * MICRO, noise_scale_high=10 * MICRO,
+                            scheduled_lr=1e-3 * min(1.0, tokens / warmup))
+            if d.changed:
+                grown.append(tokens)
+                break
+    messages = [str(w.message) for w in said]
+    assert sum("until 0.5 of the run" in m for m in messages) == 1  # the wait, said once, with its end
+    assert sum("could still not be read" in m and "the growth rule is in force" in m for m in messages) == 1
+    assert ctrl.plateau.held is False and ctrl.plateau.verdict_slope is None
+    assert ctrl.plateau.verdict_tokens == pytest.approx(0.5 * TOTAL, abs=MICRO)
+    assert grown and 0.5 * TOTAL < grown[0] < 0.75 * TOTAL  # the rule's own growth, before the slope could be read
+
+
+def test_the_default_says_when_its_verdict_holds_for_good_and_a_controller_that_only_observes_holds_nothing():
+    """The hold, when the user did not ask for it (``"auto"``), warns at a verdict that stops growth for the rest of
+    the run (where an asked-for threshold says so at INFO); ``observe_only`` changes nothing, so it has no hold and
+    reads no loss."""
+    default = BatchSizeController(total_tokens=TOTAL)
+    with pytest.warns(UserWarning, match=r"below 0.15, growth held.*the default holds growth for the rest of the run "
+                                         r"\(hold_on_plateau=None grows"):
+        assert feed(default, flat) == ([], 0)
+    asked = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_tokens_per_parameter=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert feed(asked, flat) == ([], 0)
+    for observer in (BatchSizeController(observe_only=True),
+                     BatchSizeController(observe_only=True, hold_on_plateau=0.15, total_tokens=TOTAL)):
+        assert not observer.plateau.active and not observer.plateau.collecting and observer.state_dict().get(
+            "plateau_held", "absent") == "absent"

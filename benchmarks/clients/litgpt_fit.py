@@ -112,7 +112,7 @@ def main() -> int:
     p.add_argument("trace", type=Path)
     p.add_argument("--tracker", action="store_true", help="fit() with the guide's lines")
     p.add_argument("--show-diff", action="store_true")
-    p.add_argument("--hold-on-plateau", type=lambda v: None if v == "none" else float(v), default="default",
+    p.add_argument("--hold-on-plateau", type=lambda v: None if v == "none" else float(v), default=argparse.SUPPRESS,
                    help="with --tracker: BatchSizeController(hold_on_plateau=X) in place of the default (0.15); "
                         "'none': the kappa rule alone")
     p.add_argument("--max-tokens", type=int, default=600_000, help="TrainArgs.max_tokens")
@@ -129,7 +129,7 @@ def main() -> int:
 
     fit = _source(args.pretrain, "fit")
     if args.tracker:
-        edited = _edit(fit, args.hold_on_plateau)
+        edited = _edit(fit, getattr(args, "hold_on_plateau", "default"))
         if args.show_diff:
             sys.stdout.writelines(difflib.unified_diff(fit.splitlines(True), edited.splitlines(True),
                                                        "fit() (LitGPT)", "fit() (the guide's lines)"))

@@ -351,8 +351,8 @@ def plateau_gated_by_size(controller: Any, *, parameters: int, tokens_per_parame
                          f"{tokens_per_parameter!r}): both must be > 0")
 
     class SizeGated(PlateauHold):
-        def _verdict(self, tokens: float) -> str | None:
-            said = super()._verdict(tokens)
+        def _verdict(self, tokens: float, total: float) -> str | None:
+            said = super()._verdict(tokens, total)
             if self.held and tokens >= tokens_per_parameter * parameters:
                 self.held, self.gated = False, tokens / parameters
                 self.slope.clear()

@@ -295,6 +295,10 @@ def main(argv: list[str]) -> int:
     if changes == 0:
         if args.observe_only:
             print("no batch change: --observe-only")
+        elif controller.plateau.held:
+            print(f"no batch change: the default's hold on a loss plateau held growth for the run (the loss fell "
+                  f"{controller.plateau.verdict_slope:.3f} nats per e-fold of tokens at a quarter of the run, below "
+                  f"{controller.plateau.below:g}; hold_on_plateau=None grows on the noise scale alone)")
         else:
             need = 2 * start_batch * (1 + controller.margin)
             have = "not measured yet" if ns is None else f"{controller.kappa:g} x {ns:,.0f} = {controller.kappa * ns:,.0f}"

@@ -420,8 +420,9 @@ class LoopTracker:
         return self._batches_done + self._window_index * self.session.micro_group
 
     def observe_loss(self, loss: Any) -> None:
-        """Give the tracker this microbatch's loss, for a controller that reads the loss's fall
-        (``BatchSizeController(hold_on_plateau=...)``); does nothing otherwise.
+        """Give the tracker this microbatch's loss, for a controller that reads the loss's fall (the default
+        ``BatchSizeController()``'s hold on a loss plateau, until its verdict a quarter into the run); does nothing
+        otherwise. Without it the default holds growth for that quarter, then says so and lets its rule decide.
 
         Call it once per microbatch, before :meth:`step`, with the loss as the model returned it (its
         mean over the microbatch's units, not divided by the accumulation). A tensor stays on its

@@ -227,7 +227,7 @@ class BatchSizeController:
             ``0.15`` where the units are tokens, and no hold where an adapter says they are samples (the threshold
             is a language model's loss per token, in nats; give a number to hold on a plateau of another loss). It
             kept the loss on 27 of 28 small-GPT settings and schedules where the ``kappa`` rule alone
-            (``None``, the earlier default) kept it on 16, saving up to 14 points fewer of the steps where both
+            (``None``, the earlier default) kept it on 16, saving up to 15 points fewer of the steps where both
             kept it (results.md): a hypothesis read off eight of them, in nats, which a run long for its model
             falls slower than a quarter in; past ``plateau_tokens_per_parameter`` such a run is not held (see
             there). It needs each step's training loss (:meth:`observe_loss`; the adapters pass it where they
@@ -457,6 +457,8 @@ class BatchSizeController:
         #: the hold is the default's: read where the units are tokens, off where an adapter says they are samples
         self._plateau_auto = hold_on_plateau == "auto"
         hold_on_plateau = AUTO_PLATEAU if self._plateau_auto else hold_on_plateau
+        if observe_only:  # nothing is grown, so nothing is held (and no loss is read)
+            hold_on_plateau = None
         self._plateau = PlateauHold(None if hold_on_plateau is None else float(hold_on_plateau), float(plateau_at),
                                     None if plateau_exit is None else float(plateau_exit),
                                     None if plateau_tokens_per_parameter is None else float(plateau_tokens_per_parameter))
@@ -834,6 +836,11 @@ class BatchSizeController:
                           "of the whole run), or stop the loop with tracker.done(...), which gives the length.",
                           UserWarning, stacklevel=3)
         said = plateau.decide(tokens, self.total_tokens)
+        if said is not None and plateau.held is True and plateau.verdict_tokens == tokens and self._plateau_auto:
+            # the default, not asked for, stops growth for good: said where a user sees it
+            said += ("; the default holds growth for the rest of the run (hold_on_plateau=None grows on the noise "
+                     "scale alone)")
+            plateau.warn = True
         if said is not None and plateau.warn:
             warnings.warn(f"BatchSizeController: {said}.", UserWarning, stacklevel=3)
         elif said is not None:
@@ -873,7 +880,7 @@ class BatchSizeController:
             "(saved with convert_lr_decay=False, as the defaults were before kappa=0.4 with conversion, or "
             f"by a run that passed none): halvings of the scheduled LR now count from {scheduled_lr:.4g}, its "
             "value at resume. The configuration is not saved; to resume a run of the earlier defaults as it "
-            "ran, build the controller with kappa=0.5, convert_lr_decay=False.",
+            "ran, build the controller with kappa=0.5, convert_lr_decay=False, hold_on_plateau=None.",
             UserWarning,
             stacklevel=4,
         )

@@ -112,7 +112,8 @@ class PlateauHold:
     """Growth held until ``at`` of the run; there, one verdict from the loss's slope: below ``below`` the run
     holds (until the slope reaches ``exit``, if given), otherwise the controller's rule is in force from then on.
     Where the slope cannot be read yet at ``at`` (a warm-up longer than ``at / 2.5`` of the run, or fewer than
-    :data:`MIN_POINTS` losses) the verdict waits for it, held; with no loss at all it does nothing. With
+    :data:`MIN_POINTS` losses) the verdict waits for it, held, until :attr:`give_up` of the run (then the rule is in
+    force); with no loss at all it does nothing. With
     ``tokens_per_parameter``, a verdict that would hold does not where the run has seen at least that many units per
     parameter of the model (:attr:`parameters`, given by the controller; unknown, the verdict holds and says so).
     """
@@ -134,6 +135,12 @@ class PlateauHold:
         self.warn = False  # what decide() said last is a warning
 
     @property
+    def give_up(self) -> float:
+        """The fraction of the run where a verdict still waiting for a readable slope gives way to the rule: twice
+        ``at`` (half the run at the default quarter), at most halfway from ``at`` to the end."""
+        return min(2 * self.at, (1 + self.at) / 2)
+
+    @property
     def active(self) -> bool:
         return self.below is not None
 
@@ -152,7 +159,7 @@ class PlateauHold:
         if not self.active or total is None or self.held is False or tokens < self.at * total:
             return None
         if self.held is None:
-            return self._verdict(tokens)
+            return self._verdict(tokens, total)
         if self.exit is None:
             return None
         slope = self.slope.slope(tokens)
@@ -162,13 +169,20 @@ class PlateauHold:
         self.slope.clear()
         return f"plateau left at {tokens:.4g} units: slope {slope:.3f} >= exit {self.exit:g}; growth resumes"
 
-    def _verdict(self, tokens: float) -> str | None:
+    def _verdict(self, tokens: float, total: float) -> str | None:
         if not self.slope.seen:  # no loss was given: nothing to read
             self.held, self.unread, self.warn, self.verdict_tokens = False, True, True, tokens
             return (f"no training loss reached the controller (observe_loss) by {tokens:.4g} units, "
                     f"{self.at:g} of the run: hold_on_plateau={self.below:g} read nothing and the growth "
                     "rule is in force. Pass each step's loss (the guide names the adapters that do)")
         slope = self.slope.slope(tokens)
+        if slope is None and tokens >= self.give_up * total:  # waited long enough: the rule decides from here
+            self.held, self.warn, self.verdict_tokens = False, True, tokens
+            self.slope.clear()
+            return (f"hold_on_plateau={self.below:g}: the loss's slope could still not be read at {tokens:.4g} units, "
+                    f"{self.give_up:g} of the run (it is read from 2.5 x the LR's warm-up, "
+                    f"{2.5 * self.slope.warmup:.4g} units, and from {MIN_POINTS} losses): the growth rule is in force "
+                    "from here")
         if slope is None:  # the warm-up ran late into the run, or too few losses: wait for a slope
             if self.waiting_said:
                 return None
@@ -176,7 +190,7 @@ class PlateauHold:
             return (f"hold_on_plateau={self.below:g}: at {tokens:.4g} units, {self.at:g} of the run, the loss's "
                     f"slope cannot be read yet (it is read from 2.5 x the LR's warm-up, {2.5 * self.slope.warmup:.4g} "
                     f"units, and from {MIN_POINTS} losses; {len(self.slope.points)} in its window): growth stays "
-                    "held until it can be")
+                    f"held until it can be, or until {self.give_up:g} of the run")
         self.verdict_tokens, self.verdict_slope = tokens, slope
         self.held = slope < self.below  # type: ignore[operator]
         said = (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): slope {slope:.3f} nats per "

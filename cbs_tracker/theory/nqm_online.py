@@ -62,7 +62,8 @@ def nqm_controller(
         **overrides: further :class:`BatchSizeController` arguments (for experiments).
     """
     acc_cap = max(1, int(math.floor(b_max / b_min + 1e-9)))
-    kwargs: dict[str, Any] = {"max_batch": float(b_max), "max_accumulation_steps": acc_cap}
+    # the quadratic model has no loss curve for the default's hold on a loss plateau to read
+    kwargs: dict[str, Any] = {"max_batch": float(b_max), "max_accumulation_steps": acc_cap, "hold_on_plateau": None}
     if budget is not None:
         kwargs["budget_tokens"] = float(budget)
     kwargs.update(overrides)
