@@ -29,7 +29,9 @@ def test_main_job_runs_and_prints_the_noise_scale(tmp_path):
     assert measured and all(m > 0 for m in measured)
     assert re.search(r"done: \d+ optimizer steps, [\d,]+ tokens", out)
     # 60k tokens are too few to grow: the demo says why, with the numbers
-    assert re.search(r"no batch change: a doubling needs the critical batch .* at 1,126 tokens or more", out), out
+    # 60k tokens: either the default's hold read a plateau a quarter in, or the rule never reached its threshold
+    assert re.search(r"no batch change: (a doubling needs the critical batch .* at 1,126 tokens or more|the default's "
+                     r"hold on a loss plateau held growth for the run \(the loss fell -?[\d.]+ nats per e-fold)", out), out
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the run ends with the picture's path, which exists
     assert out.strip().splitlines()[-1] == f"picture of the run: {tmp_path / 'demo.png'}"

@@ -115,13 +115,13 @@ def test_kappa_rise_2_decides_as_the_frontiers_rising_rule_on_a_planted_noise_sc
     setting = frontier.base.replace(frontier.base.SETTINGS["full"], budget_tokens=int(TOTAL))
     rule = frontier.proof_lr.Run(frontier.RULES["kappa0.4-0.8+convert"], 0, "cosine")
     config = frontier.base.controller_config
-    made, library = frontier.proof_lr.make_controller(rule, setting), BatchSizeController(kappa_rise=2.0, convert_until=1.0, total_tokens=TOTAL)
+    made, library = frontier.proof_lr.make_controller(rule, setting), BatchSizeController(kappa_rise=2.0, convert_until=1.0, total_tokens=TOTAL, hold_on_plateau=None)
     assert made.kappa_schedule is not None and library.kappa_schedule is None  # two ways of saying it
     assert {k: v for k, v in config(made).items() if k not in ("kappa", "kappa_rise", "total_tokens")} == \
         {k: v for k, v in config(library).items() if k not in ("kappa", "kappa_rise", "total_tokens")}
     for schedule in SCHEDULES:
         made = frontier.proof_lr.make_controller(rule, setting)
-        library = BatchSizeController(kappa_rise=2.0, convert_until=1.0, total_tokens=TOTAL)
+        library = BatchSizeController(kappa_rise=2.0, convert_until=1.0, total_tokens=TOTAL, hold_on_plateau=None)
         ours = planted_run(made, NOISE["linear"], SCHEDULES[schedule])
         theirs = planted_run(library, NOISE["linear"], SCHEDULES[schedule])
         assert ours == theirs and len({b for _, b in ours[1]}) >= 4, schedule  # it grows, the same way

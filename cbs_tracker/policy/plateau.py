@@ -174,7 +174,9 @@ class PlateauHold:
             self.held, self.unread, self.warn, self.verdict_tokens = False, True, True, tokens
             return (f"no training loss reached the controller (observe_loss) by {tokens:.4g} units, "
                     f"{self.at:g} of the run: hold_on_plateau={self.below:g} read nothing and the growth "
-                    "rule is in force. Pass each step's loss (the guide names the adapters that do)")
+                    "rule is in force. In a plain, Fabric or Accelerate loop call tracker.observe_loss(loss) after each "
+                    "microbatch's backward, with the loss as the model returned it (Lightning, the Hugging Face "
+                    "Trainer and OLMo-core pass it); hold_on_plateau=None turns the hold off")
         slope = self.slope.slope(tokens)
         if slope is None and tokens >= self.give_up * total:  # waited long enough: the rule decides from here
             self.held, self.warn, self.verdict_tokens = False, True, tokens
@@ -193,7 +195,7 @@ class PlateauHold:
                     f"held until it can be, or until {self.give_up:g} of the run")
         self.verdict_tokens, self.verdict_slope = tokens, slope
         self.held = slope < self.below  # type: ignore[operator]
-        said = (f"plateau verdict at {tokens:.4g} units ({self.at:g} of the run): slope {slope:.3f} nats per "
+        said = (f"plateau verdict at {tokens:.4g} units ({tokens / total:.2g} of the run): slope {slope:.3f} nats per "
                 "e-fold of tokens; " + (f"below {self.below:g}" + self._gate(tokens) if self.held else
                                         f"at least {self.below:g}, the growth rule is in force"))
         if not (self.held and self.exit is not None):
