@@ -140,7 +140,7 @@ GATED_RULE = "library:hold_on_plateau=0.15+tpp20"
 DEFAULT_RULE = GATED_RULE
 #: panels left to right: the two settings that chose the default's `κ`, then the twelve that only judged it
 SETTING_ORDER = {"full": 0, "prose": 1, "synth": 2, "heldout": 3, "wide": 4, "wide_lr3": 5, "tall": 6, "long": 7, "narrow": 8,
-                 "tail": 9, "tail_long": 10, "tail_code": 11, "tail_synth": 12, "mid": 13}
+                 "tail": 9, "tail_long": 10, "tail_code": 11, "tail_synth": 12, "mid": 13, "code96": 14}
 DOC = ROOT / "docs" / "frontier.json"
 PICTURE = ROOT / "docs" / "frontier.png"
 #: two-sided 90% t quantiles (0.95) by degrees of freedom
@@ -381,6 +381,7 @@ README_SETTINGS = {
     "tail_code": ("1 × 48, code, 200 tokens per parameter", ("gate",)),
     "tail_synth": ("2 × 32, the synthetic language, 240 tokens per parameter", ()),
     "mid": ("3 × 64, prose, context 112", ()),
+    "code96": ("5 × 48, code, context 96", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
 
