@@ -387,3 +387,15 @@ def test_the_default_says_when_its_verdict_holds_for_good_and_a_controller_that_
                      BatchSizeController(observe_only=True, hold_on_plateau=0.15, total_tokens=TOTAL)):
         assert not observer.plateau.active and not observer.plateau.collecting and observer.state_dict().get(
             "plateau_held", "absent") == "absent"
+
+
+def test_a_held_state_loaded_without_the_hold_reports_no_verdict():
+    """A state whose hold held, loaded by a controller built with ``hold_on_plateau=None``: the configuration wins
+    (no hold), and the controller does not claim the saved verdict it does not follow."""
+    held = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=0.15, plateau_tokens_per_parameter=None)
+    feed(held, flat)
+    assert held.plateau.held is True and held.plateau.verdict_slope is not None
+    off = BatchSizeController(total_tokens=TOTAL, hold_on_plateau=None)
+    off.load_state_dict(held.state_dict())
+    assert (off.plateau.held, off.plateau.verdict_slope, off.plateau.verdict_tokens) == (None, None, None)
+    assert "plateau_held" not in off.state_dict() and not off.plateau.collecting

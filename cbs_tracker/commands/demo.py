@@ -297,7 +297,8 @@ def main(argv: list[str]) -> int:
             print("no batch change: --observe-only")
         elif controller.plateau.held:
             print(f"no batch change: the default's hold on a loss plateau held growth for the run (the loss fell "
-                  f"{controller.plateau.verdict_slope:.3f} nats per e-fold of tokens at a quarter of the run, below "
+                  f"{controller.plateau.verdict_slope:.3f} nats per e-fold of tokens at "
+                  f"{controller.plateau.verdict_tokens / args.tokens:.2g} of the run, below "
                   f"{controller.plateau.below:g}; hold_on_plateau=None grows on the noise scale alone)")
         else:
             need = 2 * start_batch * (1 + controller.margin)

@@ -465,7 +465,7 @@ class BatchSizeController:
         self._plateau.parameters = None if model_parameters is None else int(model_parameters)
         self._parameters_given = model_parameters is not None  # the user's count wins over an adapter's
         self.kappa_rise = float(kappa_rise)
-        self._warned_no_run_length: set[str] = set()  # the options said to lack the run's length
+        self._said_once: set[str] = set()  # what was said once: options lacking the run's length, a resume without the hold
         self._resumed_without_lr_reference = False  # set by load_state_dict, cleared at the first scheduled LR
 
     # ------------------------------------------------------------------ kappa
@@ -668,13 +668,17 @@ class BatchSizeController:
         """A run that began without ``hold_on_plateau`` (its state has no ``plateau_held``: saved with
         ``hold_on_plateau=None``, or before the hold was the default) goes on without it: a verdict read mid-run
         would hold growth the run has already taken. Said once."""
-        if not self._plateau.active or "plateau_held" in state or not self._level.started:
+        if not self._plateau.active:  # a state with a verdict, loaded without the hold: no verdict here
+            self._plateau.held = self._plateau.verdict_slope = self._plateau.verdict_tokens = None
+            self._plateau.slope.clear()
+            return
+        if "plateau_held" in state or not self._level.started:
             return
         self._plateau.held = False
         self._plateau.slope.clear()
-        if "begun without the hold" in self._warned_no_run_length:
+        if "begun without the hold" in self._said_once:
             return
-        self._warned_no_run_length.add("begun without the hold")  # the once-said warnings
+        self._said_once.add("begun without the hold")
         said = (f"BatchSizeController(hold_on_plateau={'auto' if self._plateau_auto else self._plateau.below}): the "
                 "state was saved without the hold (hold_on_plateau=None, in samples, or by cbs-tracker before it was "
                 "the default), so the run goes on without it, as it began")
@@ -828,9 +832,9 @@ class BatchSizeController:
         if not plateau.active:
             return
         plateau.slope.observe_lr(tokens, scheduled_lr)
-        if self.total_tokens is None and plateau.held is None and "hold_on_plateau" not in self._warned_no_run_length \
+        if self.total_tokens is None and plateau.held is None and "hold_on_plateau" not in self._said_once \
                 and self._level.started and self._rules.waiting(self._level, tokens) != "warm-up":
-            self._warned_no_run_length.add("hold_on_plateau")
+            self._said_once.add("hold_on_plateau")
             warnings.warn(f"BatchSizeController(hold_on_plateau={plateau.below:g}) has no run length "
                           "(total_tokens=None and no adapter gave one): nothing is held. Pass total_tokens= (units "
                           "of the whole run), or stop the loop with tracker.done(...), which gives the length.",
@@ -1058,9 +1062,9 @@ class BatchSizeController:
         """An option that needs the run's length, without it (``efficiency_budget``: the ``kappa`` rule decides;
         ``kappa_rise``: ``kappa`` stays at its start; ``convert_until``: every halving converts); said once per
         option, past warm-up."""
-        if option in self._warned_no_run_length or self._rules.waiting(self._level, now.tokens) == "warm-up":
+        if option in self._said_once or self._rules.waiting(self._level, now.tokens) == "warm-up":
             return
-        self._warned_no_run_length.add(option)
+        self._said_once.add(option)
         if option == "efficiency_budget":
             given, effect, or_else = f"efficiency_budget={self.efficiency_budget:g}", "the kappa rule decides growth", ""
         elif option == "convert_until":
