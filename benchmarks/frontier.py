@@ -124,6 +124,7 @@ RULES = {
     "library:hold_on_plateau=0.15": "tracker_library_plateau15",
     "library:hold_on_plateau=0.15+tpp20": "tracker_library_plateau15_tpp20",
     "kappa0.4-1.2+convert+plateau0.15": "tracker_kappa04_12_convert_plateau15",
+    "library:hold_on_plateau=0.15+tpp20+long": "tracker_library_plateau15_tpp20_long",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the ``kappa`` rule alone (``BatchSizeController(hold_on_plateau=None)``): the library's default until its hold on
@@ -382,6 +383,7 @@ README_SETTINGS = {
     "tail_synth": ("2 × 32, the synthetic language, 240 tokens per parameter", ()),
     "mid": ("3 × 64, prose, context 112", ()),
     "code96": ("5 × 48, code, context 96", ()),
+    "duo_code": ("2 × 32, code, context 64, 115 tokens per parameter", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
 

@@ -55,7 +55,8 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_effNNN", "tracker_library_default", "tracker_kappa04_convert_peak",
              "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam",
              "tracker_..._wd", "tracker_..._slopeNN", "tracker_..._hold", "tracker_..._gateNN",
-             "tracker_..._plateauNN[_atNN][_exitNN]", "tracker_library_plateauNN[_tppNN]")
+             "tracker_..._plateauNN[_atNN][_exitNN]", "tracker_library_plateauNN[_tppNN]",
+             "tracker_library_plateauNN_tppNN_long")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -102,6 +103,11 @@ _GATE_RUN = re.compile(r"(tracker_\w+)_gate(\d)(\d)")
 #: controller in :func:`plateau_gated_by_size`, which decides alike: ``tests/test_plateau.py``)
 _LIBRARY_PLATEAU_RUN = re.compile(r"tracker_library_plateau(\d\d)(?:_tpp(\d+))?")
 _PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?(?:_exit(\d\d))?")
+#: ``tracker_library_plateau15_tpp20_long``: the library's gated hold (``..._tpp20``) where a run long for its model
+#: is read as one from the moment it becomes one: past the gate's tokens per parameter the hold is over even before
+#: its verdict (a verdict there could not hold), and ``kappa`` rises as ``(tokens per parameter / gate) ** 0.25``, at
+#: most 2 x (:func:`long_run`)
+_LONG_RUN = re.compile(r"(tracker_library_plateau\d\d_tpp(\d+))_long")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -365,12 +371,54 @@ def plateau_gated_by_size(controller: Any, *, parameters: int, tokens_per_parame
     return controller
 
 
+def long_run(controller: Any, *, tokens_per_parameter: float, exponent: float = 0.25, most: float = 2.0) -> Any:
+    """``controller`` (a ``BatchSizeController`` with ``hold_on_plateau`` and its size gate), changed in place so that
+    a run long for its model is read as one as soon as it is: from ``tokens_per_parameter`` tokens per parameter of the
+    model on (the count the tracker gives), growth is no longer held before the verdict (a verdict there could only
+    let it grow: the gate overturns a holding one), and the noise-scale doublings' ``kappa`` is multiplied by
+    ``(tokens per parameter / tokens_per_parameter) ** exponent``, at most ``most``. A prototype for the frontier:
+    on the GPTs trained for 190-380 tokens per parameter every rule run kept the loss, ``kappa`` rising to 1.2 too,
+    while below 20 tokens per parameter ``kappa`` 0.5 lost it on several. Inert where the count is unknown, in
+    samples, or below ``tokens_per_parameter``."""
+    hold = controller.plateau
+    if not hold.active or hold.tokens_per_parameter is None:
+        raise ValueError("long_run: the controller needs hold_on_plateau with its size gate")
+
+    def past(tokens: float) -> float | None:
+        """tokens per parameter over the gate's, where it is read"""
+        if hold.parameters is None or hold.in_samples:
+            return None
+        return tokens / (tokens_per_parameter * hold.parameters)
+
+    class LongRunHold(type(hold)):  # type: ignore[misc]
+        def holds(self, tokens: float, total: float | None) -> bool:
+            ratio = past(tokens)
+            if self.held is None and ratio is not None and ratio >= 1:
+                return False
+            return super().holds(tokens, total)
+
+    hold.__class__ = LongRunHold
+    kappa_at = controller._kappa_at
+
+    def long_kappa_at(tokens: float) -> float:
+        ratio = past(tokens)
+        factor = 1.0 if ratio is None else min(most, max(1.0, ratio) ** exponent)
+        return kappa_at(tokens) * factor
+
+    controller._kappa_at = long_kappa_at
+    return controller
+
+
 def make_controller(run: Run, setting: base.Setting) -> Any:
     """The controller of a run (``None`` for a constant batch). Every rule converts the halvings of the scheduled LR
     as it did when it was named (all of them, unless its name says ``_until``), whatever the library's default;
     only ``tracker_library_default`` takes the library's defaults as they are."""
     if _LIBRARY_PLATEAU_RUN.fullmatch(run.schedule) is not None:  # before _PLATEAU_RUN's prototypes
         return _controller_of(run, setting)
+    long_match = _LONG_RUN.fullmatch(run.schedule)
+    if long_match is not None:
+        return long_run(_controller_of(replace(run, schedule=long_match.group(1)), setting),
+                        tokens_per_parameter=float(long_match.group(2)))
     same_controller = _ADAM_RUN.fullmatch(run.schedule) or _WD_RUN.fullmatch(run.schedule)
     if same_controller is not None:  # only the measurement (_adam) or the weight decay (_wd) differs
         return make_controller(replace(run, schedule=same_controller.group(1)), setting)
