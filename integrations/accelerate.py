@@ -30,7 +30,6 @@ step as Accelerate gives it (``num_processes`` unless ``split_batches``).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from cbs_tracker.integrations.plain import CBSTracker
 from torch import nn
 
+from cbs_tracker._warn import warn_user
 from cbs_tracker.core.measure import loss_scale
 
 __all__ = ["AcceleratorTracker"]
@@ -552,10 +552,7 @@ def _scheduler(accelerator: Any, scheduler: Any, inner: Any, name: str) -> tuple
         )
     steps = 1 if scheduler.split_batches else int(accelerator.num_processes)
     if getattr(wrapped, "total_steps", None) is not None and steps > 1:
-        warnings.warn(
+        warn_user(
             f"{name}: a {type(wrapped).__name__} with total_steps is stepped {steps} times per starting-batch step "
-            "(as Accelerate does); Accelerate's guard against stepping past total_steps is not applied",
-            UserWarning,
-            stacklevel=3,
-        )
+            "(as Accelerate does); Accelerate's guard against stepping past total_steps is not applied")
     return wrapped, steps

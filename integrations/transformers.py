@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from cbs_tracker._warn import warn_user
 from cbs_tracker.calibrate import CalibrateAt, calibration_scalars
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.collector import GradStatsCollector
@@ -180,7 +180,7 @@ class CBSTrainer(Trainer):
         version_warning = check_transformers_version(installed_transformers())
         if version_warning is not None and not _VERSION_WARNED:
             _VERSION_WARNED = True  # once per process
-            warnings.warn(version_warning, UserWarning, stacklevel=2)
+            warn_user(version_warning)
         super().__init__(*args, **kwargs)
         self.controller = controller
         self.unit: Unit = unit
@@ -467,7 +467,7 @@ class CBSTrainer(Trainer):
 
     def _warn(self, message: str) -> None:
         if self.is_world_process_zero():
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warn_user(message)
 
     # ------------------------------------------------------------------ windows
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
@@ -559,6 +559,11 @@ class CBSTrainer(Trainer):
                     )
                 if self._loss_shifts():
                     labels = labels[..., 1:]
+            if labels.is_floating_point() or labels.is_complex():
+                raise ValueError(
+                    f"CBSTrainer(unit='tokens') counts the batch's 'labels' as tokens, but they are {labels.dtype}, "
+                    "not integer token labels (a regression's targets?); pass unit='samples' or batch_size_fn="
+                )
             size = (labels != self.ignore_index).sum()
         return check_size(size, owner="CBSTrainer(batch_size_fn=...)")
 

@@ -12,7 +12,6 @@ import itertools
 import math
 import sys
 import time
-import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -21,6 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from cbs_tracker._warn import warn_user
 from cbs_tracker.core import distributed as cbs_dist
 from cbs_tracker.core.collector import GradStatsCollector, LabelCount, StepStats
 from cbs_tracker.core.engine import Engine, EngineSettings
@@ -32,6 +32,14 @@ __all__ = ["AUTO_MEMORY_FRACTION", "LoopTracker", "refuse_pipeline"]
 
 #: ``max_microbatch="auto"`` keeps the predicted peak at or below this share of the device memory
 AUTO_MEMORY_FRACTION = 0.85
+
+
+def _refuse_labels(labels: Any, owner: str) -> None:
+    """``labels=`` that are not integer class labels: their tokens cannot be counted."""
+    what = (f"a tensor of {labels.dtype}" if isinstance(labels, torch.Tensor) else f"a {type(labels).__name__}")
+    raise TypeError(f"{owner}.microbatch(labels=<{what}>): expected a tensor of integer token labels (tokens are "
+                    "counted as labels != ignore_index); for targets that are not tokens (a regression's, say) pass "
+                    "size= with the microbatch's units (build the tracker with unit='samples' to count samples)")
 
 
 class LoopTracker:
@@ -530,6 +538,9 @@ class LoopTracker:
             ValueError: a negative or non-finite ``size``.
             RuntimeError: nested microbatches.
         """
+        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.is_floating_point()
+                                   or labels.is_complex()):
+            _refuse_labels(labels, type(self).__name__)
         counted = self._counted_now
         if counted is not None and self._window_index >= self._fast_from and not self._in_microbatch:
             # a window that only counts, past its start: the size is all there is to keep
@@ -638,12 +649,9 @@ class LoopTracker:
             why = "on one of several ranks the other ranks cannot redo their window in step"
         else:
             return True
-        warnings.warn(
+        warn_user(
             f"{type(self).__name__}: out of memory at a microbatch of {self.session.micro_group} loader batches; {why}, "
-            f"so the error is raised. Set max_microbatch to at most {self._good_group} loader batches' sequences.",
-            UserWarning,
-            stacklevel=4,
-        )
+            f"so the error is raised. Set max_microbatch to at most {self._good_group} loader batches' sequences.")
         return False
 
     def _restart_window(self) -> None:
@@ -660,12 +668,9 @@ class LoopTracker:
         self._restarted = True
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        warnings.warn(
+        warn_user(
             f"{type(self).__name__}: out of memory at a microbatch of {failed} loader batches; the window is redone "
-            f"from its start at {self.session.micro_group} (nothing lost or repeated), and the microbatch stays there.",
-            UserWarning,
-            stacklevel=4,
-        )
+            f"from its start at {self.session.micro_group} (nothing lost or repeated), and the microbatch stays there.")
 
     def _after_window(self) -> None:
         """At :meth:`step`: remember the microbatch that fit, and with ``"auto"`` the largest that will."""

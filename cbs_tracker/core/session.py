@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import numbers
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
+from cbs_tracker._warn import warn_user
 from cbs_tracker.core.cadence import MeasureCadence
 from cbs_tracker.core.collector import StepStats
 from cbs_tracker.core.estimator import NoiseScaleEstimator
@@ -285,7 +285,7 @@ class TrackingSession:
         if self._warn_fn is not None:
             self._warn_fn(message)
         else:
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warn_user(message)
 
     # ------------------------------------------------------------------ learning rate
     def attach_scheduler(self, scheduler: Any, period: int = 1) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from cbs_tracker._warn import warn_user
 from cbs_tracker.policy._state import StateReader
 from cbs_tracker.policy.conversion import LRDecayConversion
 from cbs_tracker.policy.efficiency import EfficiencyBudget
@@ -118,6 +118,9 @@ def _check_number(name: str, value: Any, *, allow_none: bool = False, integer: b
 
 #: ``hold_on_plateau="auto"`` (the default): this threshold where the run counts tokens, no hold where it counts samples
 AUTO_PLATEAU = 0.15
+#: updates of a run that reads the loss after which, none given yet, the controller says so (as many as the slope
+#: needs points)
+NO_LOSS_UPDATES = 8
 
 
 def _check_plateau(hold_on_plateau: Any, plateau_at: Any, plateau_exit: Any) -> None:
@@ -357,8 +360,8 @@ class BatchSizeController:
             raise ValueError(f"BatchSizeController(kappa_rise={kappa_rise!r}): must be >= 1 (kappa rises from "
                              "kappa at the start to kappa_rise * kappa at the run's end; 1 keeps it fixed)")
         if kappa_rise != 1 and self._kappa_schedule is not None:
-            warnings.warn(f"BatchSizeController(kappa_rise={kappa_rise!r}) is ignored: kappa is a measured "
-                          "KappaSchedule, used as given.", UserWarning, stacklevel=2)
+            warn_user(f"BatchSizeController(kappa_rise={kappa_rise!r}) is ignored: kappa is a measured "
+                          "KappaSchedule, used as given.")
         _check_number("conversion_kappa", conversion_kappa)
         _check_number("convert_until", convert_until)
         if convert_until > 1.0:
@@ -465,6 +468,7 @@ class BatchSizeController:
         self._plateau.parameters = None if model_parameters is None else int(model_parameters)
         self._parameters_given = model_parameters is not None  # the user's count wins over an adapter's
         self.kappa_rise = float(kappa_rise)
+        self._updates_without_loss = 0  # updates of a run that reads the loss with none given yet (not saved)
         self._said_once: set[str] = set()  # what was said once: options lacking the run's length, a resume without the hold
         self._resumed_without_lr_reference = False  # set by load_state_dict, cleared at the first scheduled LR
 
@@ -566,9 +570,9 @@ class BatchSizeController:
                       "to hold on a plateau of this loss")
         if self._plateau.in_samples and self._parameters_given and self._plateau.active \
                 and self._plateau.tokens_per_parameter is not None:
-            warnings.warn(f"BatchSizeController(model_parameters={self._plateau.parameters}): the run's units are "
+            warn_user(f"BatchSizeController(model_parameters={self._plateau.parameters}): the run's units are "
                           "samples, so plateau_tokens_per_parameter is not read and the count is not used (count "
-                          "tokens, or give plateau_tokens_per_parameter=None)", UserWarning, stacklevel=3)
+                          "tokens, or give plateau_tokens_per_parameter=None)")
         if not self._parameters_given:
             self._plateau.parameters = count
 
@@ -685,7 +689,7 @@ class BatchSizeController:
         if self._plateau_auto:
             _log.info("%s", said)
         else:
-            warnings.warn(said + "; build the controller with hold_on_plateau=None to say so", UserWarning, stacklevel=3)
+            warn_user(said + "; build the controller with hold_on_plateau=None to say so")
 
     # ------------------------------------------------------------ properties
     @property
@@ -835,20 +839,38 @@ class BatchSizeController:
         if self.total_tokens is None and plateau.held is None and "hold_on_plateau" not in self._said_once \
                 and self._level.started and self._rules.waiting(self._level, tokens) != "warm-up":
             self._said_once.add("hold_on_plateau")
-            warnings.warn(f"BatchSizeController(hold_on_plateau={plateau.below:g}) has no run length "
-                          "(total_tokens=None and no adapter gave one): nothing is held. Pass total_tokens= (units "
-                          "of the whole run), or stop the loop with tracker.done(...), which gives the length.",
-                          UserWarning, stacklevel=3)
+            warn_user(f"BatchSizeController(hold_on_plateau={plateau.below:g}) has no run length "
+                      "(total_tokens=None and no adapter gave one): nothing is held. Pass total_tokens= (units "
+                      "of the whole run), or stop the loop with tracker.done(...), which gives the length.")
+        self._warn_no_loss_early(plateau)
         said = plateau.decide(tokens, self.total_tokens)
+        if said is not None and plateau.unread and "no loss" in self._said_once:
+            plateau.warn = False  # said at the run's start already: the verdict's own note goes to the log
         if said is not None and plateau.held is True and plateau.verdict_tokens == tokens and self._plateau_auto:
             # the default, not asked for, stops growth for good: said where a user sees it
             said += ("; the default holds growth for the rest of the run (hold_on_plateau=None grows on the noise "
                      "scale alone)")
             plateau.warn = True
         if said is not None and plateau.warn:
-            warnings.warn(f"BatchSizeController: {said}.", UserWarning, stacklevel=3)
+            warn_user(f"BatchSizeController: {said}.")
         elif said is not None:
             _log.info("BatchSizeController: %s", said)
+
+    def _warn_no_loss_early(self, plateau: PlateauHold) -> None:
+        """Said once, :data:`NO_LOSS_UPDATES` updates into a run that reads the loss and has been given none: the
+        verdict a quarter in would read nothing, and the run is young enough to mend."""
+        if not plateau.collecting or plateau.held is not None or plateau.slope.seen or self.total_tokens is None:
+            return
+        self._updates_without_loss += 1
+        if self._updates_without_loss < NO_LOSS_UPDATES or "no loss" in self._said_once:
+            return
+        self._said_once.add("no loss")
+        auto = "'auto'" if self._plateau_auto else f"{plateau.below:g}"
+        warn_user(f"BatchSizeController(hold_on_plateau={auto}): no training loss reached the controller in its first "
+                  f"{NO_LOSS_UPDATES} updates, so its verdict at {plateau.at:g} of the run will read nothing and let "
+                  "the growth rule decide. In a plain, Fabric or Accelerate loop call tracker.observe_loss(loss) after "
+                  "each microbatch's backward, with the loss as the model returned it (not divided by the "
+                  "accumulation); hold_on_plateau=None turns the hold off")
 
     def _measure(self, step: int, tokens: float, noise_scale: float | None, low: float | None,
                  high: float | None, scheduled_lr: float | None) -> _Now:
@@ -879,15 +901,12 @@ class BatchSizeController:
         if not self._resumed_without_lr_reference or scheduled_lr is None or scheduled_lr <= 0:
             return
         self._resumed_without_lr_reference = False
-        warnings.warn(
+        warn_user(
             "BatchSizeController(convert_lr_decay=True) resumed a state that holds no scheduled learning rate "
             "(saved with convert_lr_decay=False, as the defaults were before kappa=0.4 with conversion, or "
             f"by a run that passed none): halvings of the scheduled LR now count from {scheduled_lr:.4g}, its "
             "value at resume. The configuration is not saved; to resume a run of the earlier defaults as it "
-            "ran, build the controller with kappa=0.5, convert_lr_decay=False, hold_on_plateau=None.",
-            UserWarning,
-            stacklevel=4,
-        )
+            "ran, build the controller with kappa=0.5, convert_lr_decay=False, hold_on_plateau=None.")
 
     def _hold(self, now: _Now, reason: str) -> Decision:
         level = self._level
@@ -1075,13 +1094,10 @@ class BatchSizeController:
             effect = (f"kappa stays at {self._kappa_start:g} instead of rising to "
                       f"{self._kappa_start * self.kappa_rise:g} by the run's end")
             or_else = ", or set kappa_rise=1 to keep kappa fixed"
-        warnings.warn(
+        warn_user(
             f"BatchSizeController({given}) has no run length (total_tokens=None and no adapter gave one): {effect}. "
             f"Pass total_tokens= (units of the whole run), or stop the loop with tracker.done(...), which gives the "
-            f"length{or_else}.",
-            UserWarning,
-            stacklevel=3,
-        )
+            f"length{or_else}.")
 
     # ------------------------------------------------------------- arguments
     def _check_start(self, global_batch: float, accumulation_steps: int) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from typing import Any
 
+from cbs_tracker._warn import warn_user
 from cbs_tracker.policy._state import StateReader
 
 __all__ = ["IDLE", "ARMED", "TRIPPED", "FeedbackGuard"]
@@ -150,7 +150,7 @@ class FeedbackGuard:
         _log.info(msg)
         if not self.warned:
             self.warned = True
-            warnings.warn(msg, RuntimeWarning, stacklevel=5)
+            warn_user(msg, RuntimeWarning)
 
     def revisit(self, median: float, low: float | None, batch: float, exponent: int, step: int) -> None:
         """After a trap: re-measure ``B_simple / B`` at a new level, or resume if it rose at this one.

@@ -9,9 +9,10 @@ writes a schedule directly in units seen. See docs/design.md ("Learning-rate sch
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal
+
+from cbs_tracker._warn import warn_user
 
 __all__ = [
     "ADAPTIVE_OPTIMIZERS",
@@ -58,13 +59,10 @@ def resolve_coupling(mode: str | None, optimizer: Any | None, *, owner: str = "c
             return "linear"
         if cls.__name__ in ADAPTIVE_OPTIMIZERS:
             return "sqrt"
-    warnings.warn(
+    warn_user(
         f"{owner}: lr_coupling='auto' does not know the optimizer {name}; it uses 'sqrt' (the rule "
         "for adaptive optimizers: LR x sqrt(2) per doubling). Pass lr_coupling='linear' for an "
-        "SGD-like optimizer or 'keep' to leave the LR alone.",
-        UserWarning,
-        stacklevel=3,
-    )
+        "SGD-like optimizer or 'keep' to leave the LR alone.")
     return "sqrt"
 
 
@@ -269,7 +267,7 @@ class ScheduleTimer:
         onecycle = self._orig_class.__name__ == "OneCycleLR"
         if position >= self.horizon and not self._warned_horizon:
             self._warned_horizon = True
-            warnings.warn(
+            warn_user(
                 f"{self.owner}: the LR scheduler ({self._orig_class.__name__}) reached the end it was sized for "
                 f"({self.horizon} scheduler steps, the data of that many optimizer steps at the starting batch) and "
                 "the loop runs on: every step from here trains on data the plan did not have, "
@@ -277,10 +275,7 @@ class ScheduleTimer:
                    "and the schedule goes on past its end (a cosine rises again). ")
                 + "A loop that stops on its own count of optimizer steps (completed_steps >= max_train_steps) "
                 "runs past the plan once the batch has grown; stop it on the data: `if tracker.done(max_train_steps): "
-                "break` after each batch, or `while not tracker.done(max_train_steps):` around each window.",
-                UserWarning,
-                stacklevel=4,
-            )
+                "break` after each batch, or `while not tracker.done(max_train_steps):` around each window.")
         if onecycle:
             n = max(0, min(n, self.horizon - position))
         return n
