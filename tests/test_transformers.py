@@ -368,6 +368,15 @@ def test_bad_arguments_are_refused(tmp_path, kwargs, error, match):
         CBSTrainer(model=Regression(), args=training_args(str(tmp_path)), train_dataset=regression_data(4), **kwargs)
 
 
+def test_float_labels_are_not_counted_as_tokens(tmp_path):
+    """A regression's targets under the default unit='tokens' are refused with the way out, not counted (each of
+    their elements a token, and the hold then reading a loss that is not per token)."""
+    trainer = CBSTrainer(model=Regression(), args=training_args(str(tmp_path)), train_dataset=regression_data(4))
+    with pytest.raises(ValueError, match=r"'labels' as tokens, but they are torch.float32.*unit='samples'"):
+        trainer._count({"x": torch.randn(2, 8), "labels": torch.randn(2)})
+    assert int(trainer._count({"x": torch.randn(2, 8), "labels": torch.tensor([[1, 2], [-100, 3]])})) == 3
+
+
 def test_batch_size_fn_counts_the_units(tmp_path):
     data = Pairs(torch.randn(8, 8), torch.randn(8))
     trainer = CBSTrainer(model=Regression(), args=training_args(str(tmp_path)), train_dataset=data,
