@@ -13,7 +13,7 @@ import warnings
 __all__ = ["warn_user"]
 
 #: modules whose frames a warning skips: this package, its adapters and the frameworks that call them
-_SKIPPED = ("cbs_tracker", "integrations", "contextlib", "torch", "lightning", "pytorch_lightning", "transformers",
+_SKIPPED = ("cbs_tracker", "contextlib", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "transformers",
             "accelerate", "olmo_core")
 
 

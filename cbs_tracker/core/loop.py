@@ -534,7 +534,8 @@ class LoopTracker:
 
         Raises:
             TypeError: neither or both of ``size`` and ``labels``; a bool or a tensor of
-                several elements as ``size``.
+                several elements as ``size``; ``labels`` that are not a tensor of integer token labels
+                (floating-point or complex: a regression's targets are not tokens).
             ValueError: a negative or non-finite ``size``.
             RuntimeError: nested microbatches.
         """

@@ -234,7 +234,8 @@ class BatchSizeController:
             kept it (results.md): a hypothesis read off eight of them, in nats, which a run long for its model
             falls slower than a quarter in; past ``plateau_tokens_per_parameter`` such a run is not held (see
             there). It needs each step's training loss (:meth:`observe_loss`; the adapters pass it where they
-            see the loss); with none at the verdict it warns and the rule is in force from then on. Without the
+            see the loss); with none by the controller's 8th update it warns, and with none at the verdict the rule is in
+            force from then on. Without the
             run's length nothing is held (said once). A budget plan (``budget_tokens``) is not held. A state
             saved without the hold resumes without it (said once).
 
@@ -867,10 +868,11 @@ class BatchSizeController:
         self._said_once.add("no loss")
         auto = "'auto'" if self._plateau_auto else f"{plateau.below:g}"
         warn_user(f"BatchSizeController(hold_on_plateau={auto}): no training loss reached the controller in its first "
-                  f"{NO_LOSS_UPDATES} updates, so its verdict at {plateau.at:g} of the run will read nothing and let "
-                  "the growth rule decide. In a plain, Fabric or Accelerate loop call tracker.observe_loss(loss) after "
-                  "each microbatch's backward, with the loss as the model returned it (not divided by the "
-                  "accumulation); hold_on_plateau=None turns the hold off")
+                  f"{NO_LOSS_UPDATES} updates; without one its verdict at {plateau.at:g} of the run reads nothing and "
+                  "lets the growth rule decide. In a plain, Fabric or Accelerate loop call tracker.observe_loss(loss) "
+                  "after each microbatch's backward, with the loss as the model returned it (not divided by the "
+                  "accumulation); Lightning, the Hugging Face Trainer and OLMo-core pass it where their step returns "
+                  "a loss; hold_on_plateau=None turns the hold off")
 
     def _measure(self, step: int, tokens: float, noise_scale: float | None, low: float | None,
                  high: float | None, scheduled_lr: float | None) -> _Now:
