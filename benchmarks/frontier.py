@@ -125,6 +125,7 @@ RULES = {
     "library:hold_on_plateau=0.15+tpp20": "tracker_library_plateau15_tpp20",
     "kappa0.4-1.2+convert+plateau0.15": "tracker_kappa04_12_convert_plateau15",
     "library:hold_on_plateau=0.15+tpp20+long": "tracker_library_plateau15_tpp20_long",
+    "library:hold_on_plateau=0.15+tpp20+long50": "tracker_library_plateau15_tpp20_long50",
 }
 SCHEDULE_OF = {v: k for k, v in RULES.items()}
 #: the ``kappa`` rule alone (``BatchSizeController(hold_on_plateau=None)``): the library's default until its hold on

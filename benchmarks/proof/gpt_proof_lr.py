@@ -56,7 +56,7 @@ SCHEDULES = ("constant", "tracker_default", "tracker_convert", "tracker_convert_
              "tracker_kappaNN[_MM]_convert_untilNNN", "tracker_..._linear", "tracker_..._riseNN", "..._adam",
              "tracker_..._wd", "tracker_..._slopeNN", "tracker_..._hold", "tracker_..._gateNN",
              "tracker_..._plateauNN[_atNN][_exitNN]", "tracker_library_plateauNN[_tppNN]",
-             "tracker_library_plateauNN_tppNN_long")
+             "tracker_library_plateauNN_tppNN_long[50]")
 #: a schedule trained with the coupled LR capped at the schedule's peak (``cap_lr_at_peak=True``): the
 #: controller of the schedule it names
 PEAK_CAPPED = {"tracker_kappa04_convert_peak": "tracker_kappa04_convert"}
@@ -106,8 +106,9 @@ _PLATEAU_RUN = re.compile(r"(tracker_\w+)_plateau(\d\d)(?:_at(\d\d))?(?:_exit(\d
 #: ``tracker_library_plateau15_tpp20_long``: the library's gated hold (``..._tpp20``) where a run long for its model
 #: is read as one from the moment it becomes one: past the gate's tokens per parameter the hold is over even before
 #: its verdict (a verdict there could not hold), and ``kappa`` rises as ``(tokens per parameter / gate) ** 0.25``, at
-#: most 2 x (:func:`long_run`)
-_LONG_RUN = re.compile(r"(tracker_library_plateau\d\d_tpp(\d+))_long")
+#: most 2 x (:func:`long_run`); ``..._long50``: ``** 0.5``, at most 3 x (``kappa`` 1.2, the top of the rising rule that
+#: kept the loss on ``tail``)
+_LONG_RUN = re.compile(r"(tracker_library_plateau\d\d_tpp(\d+))_long(50)?")
 #: ``tracker_kappa04_convert_until085_wd``: the rule it names with AdamW's weight decay coupled to the batch and
 #: the LR so that the decay per token (``lr x weight_decay / batch``) stays the scheduled LR's at the starting
 #: batch: ``weight_decay x (B / B_start) / (lr / scheduled lr)`` (x sqrt(B / B_start) under the sqrt coupling)
@@ -417,8 +418,10 @@ def make_controller(run: Run, setting: base.Setting) -> Any:
         return _controller_of(run, setting)
     long_match = _LONG_RUN.fullmatch(run.schedule)
     if long_match is not None:
+        steep = long_match.group(3) is not None
         return long_run(_controller_of(replace(run, schedule=long_match.group(1)), setting),
-                        tokens_per_parameter=float(long_match.group(2)))
+                        tokens_per_parameter=float(long_match.group(2)), exponent=0.5 if steep else 0.25,
+                        most=3.0 if steep else 2.0)
     same_controller = _ADAM_RUN.fullmatch(run.schedule) or _WD_RUN.fullmatch(run.schedule)
     if same_controller is not None:  # only the measurement (_adam) or the weight decay (_wd) differs
         return make_controller(replace(run, schedule=same_controller.group(1)), setting)
