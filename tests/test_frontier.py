@@ -647,3 +647,43 @@ def test_the_plateau_rules_build_the_library_option_with_and_without_its_size_ga
     assert (off.plateau.below, off.plateau.tokens_per_parameter) == (0.15, None)
     assert (on.plateau.below, on.plateau.tokens_per_parameter) == (0.15, 20.0)
     assert on.total_tokens == off.total_tokens == setting.budget_tokens
+
+
+@pytest.mark.parametrize(("rule", "exponent", "most"), [("library:hold_on_plateau=0.15+tpp20+long", 0.25, 2.0),
+                                                        ("library:hold_on_plateau=0.15+tpp20+long50", 0.5, 3.0)])
+def test_a_long_run_rule_is_the_default_below_20_tokens_per_parameter_and_past_them_grows_before_the_verdict(
+        frontier, rule, exponent, most):
+    """``gpt_proof_lr.long_run``: with the model too large for the run to reach 20 tokens per parameter it decides as
+    the default step for step; with one it reaches at a tenth of the run, it grows before the verdict (a quarter in)
+    where the default waits for it, and its ``kappa`` is ``0.4 x min(most, (tokens / (20 P)) ** exponent)``."""
+    proof_lr, setting = frontier.proof_lr, frontier.base.SETTINGS["tail"]
+    total, micro = float(setting.budget_tokens), 1024.0
+
+    def feed(rule_name, parameters):
+        ctrl = proof_lr.make_controller(proof_lr.Run(frontier.RULES[rule_name], 0, "cosine"), setting)
+        ctrl.set_model_parameters(parameters)
+        acc, grown, kappas = 1, [], []
+        tokens = 0.0
+        for step in range(1, int(total / micro) + 1):
+            tokens += micro * acc
+            if tokens > total:
+                break
+            ctrl.observe_loss(tokens, 3 - 0.3 * math.log(tokens))  # steep: the verdict lets the rule grow
+            d = ctrl.update(step=step, tokens_seen=tokens, global_batch=micro * acc, accumulation_steps=acc,
+                            noise_scale=64 * micro, noise_scale_low=64 * micro, noise_scale_high=64 * micro,
+                            scheduled_lr=1e-3 * min(1.0, tokens / setting.warmup_tokens))
+            kappas.append((tokens, ctrl.kappa))
+            if d.changed:
+                grown.append(tokens)
+            acc = d.accumulation_steps
+        return grown, kappas
+
+    large = int(total / 10)  # 10 tokens per parameter at the run's end: the rule is inert
+    assert feed(rule, large) == feed(frontier.DEFAULT_RULE, large)
+    small = int(total / 200)  # 20 tokens per parameter at a tenth of the run
+    grown, kappas = feed(rule, small)
+    default_grown, _ = feed(frontier.DEFAULT_RULE, small)
+    assert default_grown and default_grown[0] >= 0.25 * total  # the default waits for its verdict
+    assert grown and 0.1 * total <= grown[0] < 0.25 * total  # the rule does not: the verdict could not hold there
+    for tokens, kappa in kappas:
+        assert kappa == pytest.approx(0.4 * min(most, max(1.0, tokens / (20 * small)) ** exponent), rel=1e-9)
