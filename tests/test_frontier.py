@@ -655,15 +655,20 @@ def test_a_long_run_rule_is_the_default_below_20_tokens_per_parameter_and_past_t
         frontier, rule, exponent, most):
     """``gpt_proof_lr.long_run``: with the model too large for the run to reach 20 tokens per parameter it decides as
     the default step for step; with one it reaches at a tenth of the run, it grows before the verdict (a quarter in)
-    where the default waits for it, and its ``kappa`` is ``0.4 x min(most, (tokens / (20 P)) ** exponent)``."""
+    where the default waits for it, and its ``kappa`` is ``0.4 x min(most, (tokens / (20 P)) ** exponent)``. The
+    library's ``long_run_kappa=0.5`` decides as the steeper prototype, step for step."""
+    from cbs_tracker.policy.controller import BatchSizeController
+
     proof_lr, setting = frontier.proof_lr, frontier.base.SETTINGS["tail"]
     total, micro = float(setting.budget_tokens), 1024.0
 
-    def feed(rule_name, parameters):
-        ctrl = proof_lr.make_controller(proof_lr.Run(frontier.RULES[rule_name], 0, "cosine"), setting)
+    def of(rule_name):
+        return lambda: proof_lr.make_controller(proof_lr.Run(frontier.RULES[rule_name], 0, "cosine"), setting)
+
+    def feed(make, parameters):
+        ctrl = make()
         ctrl.set_model_parameters(parameters)
-        acc, grown, kappas = 1, [], []
-        tokens = 0.0
+        acc, grown, kappas, tokens = 1, [], [], 0.0
         for step in range(1, int(total / micro) + 1):
             tokens += micro * acc
             if tokens > total:
@@ -678,12 +683,15 @@ def test_a_long_run_rule_is_the_default_below_20_tokens_per_parameter_and_past_t
             acc = d.accumulation_steps
         return grown, kappas
 
-    large = int(total / 10)  # 10 tokens per parameter at the run's end: the rule is inert
-    assert feed(rule, large) == feed(frontier.DEFAULT_RULE, large)
-    small = int(total / 200)  # 20 tokens per parameter at a tenth of the run
-    grown, kappas = feed(rule, small)
-    default_grown, _ = feed(frontier.DEFAULT_RULE, small)
+    large, small = int(total / 10), int(total / 200)  # 10 tokens per parameter at the end; 20 at a tenth of the run
+    assert feed(of(rule), large) == feed(of(frontier.DEFAULT_RULE), large)  # inert
+    grown, kappas = feed(of(rule), small)
+    default_grown, _ = feed(of(frontier.DEFAULT_RULE), small)
     assert default_grown and default_grown[0] >= 0.25 * total  # the default waits for its verdict
     assert grown and 0.1 * total <= grown[0] < 0.25 * total  # the rule does not: the verdict could not hold there
     for tokens, kappa in kappas:
         assert kappa == pytest.approx(0.4 * min(most, max(1.0, tokens / (20 * small)) ** exponent), rel=1e-9)
+    if exponent == 0.5:
+        library = lambda: BatchSizeController(total_tokens=total, long_run_kappa=0.5)  # noqa: E731
+        assert feed(library, small) == (grown, kappas)
+        assert feed(library, large) == feed(of(frontier.DEFAULT_RULE), large)

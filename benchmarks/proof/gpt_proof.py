@@ -618,6 +618,8 @@ def controller_config(controller: Any) -> dict[str, Any]:
         del config["kappa_rise"]
     if config.get("convert_until") == 1.0:  # every halving converts: how every record before the option was made
         del config["convert_until"]
+    if "long_run_kappa" in config and config["long_run_kappa"] is None:  # off: how every record before it was made
+        del config["long_run_kappa"]
     return dict(sorted(config.items()))
 
 

@@ -121,6 +121,8 @@ AUTO_PLATEAU = 0.15
 #: updates of a run that reads the loss after which, none given yet, the controller says so (as many as the slope
 #: needs points)
 NO_LOSS_UPDATES = 8
+#: ``long_run_kappa``: the most ``kappa`` is multiplied by past ``plateau_tokens_per_parameter``
+LONG_RUN_MOST = 3.0
 
 
 def _check_plateau(hold_on_plateau: Any, plateau_at: Any, plateau_exit: Any) -> None:
@@ -152,6 +154,14 @@ def _check_size_gate(plateau_tokens_per_parameter: Any, model_parameters: Any) -
                          "None to turn the size gate off")
     if model_parameters is not None:
         _check_count(model_parameters, "BatchSizeController(model_parameters=")
+
+
+def _check_long_run(long_run_kappa: Any, plateau_tokens_per_parameter: Any) -> None:
+    _check_number("long_run_kappa", long_run_kappa, allow_none=True)
+    if long_run_kappa is not None and plateau_tokens_per_parameter is None:
+        raise ValueError(f"BatchSizeController(long_run_kappa={long_run_kappa!r}, plateau_tokens_per_parameter=None): "
+                         "long_run_kappa reads the run's tokens per parameter past plateau_tokens_per_parameter; "
+                         "give it (20 by default)")
 
 
 def _check_count(count: Any, call: str) -> int:
@@ -310,6 +320,13 @@ class BatchSizeController:
             give it where that count is not the model's (a module that also holds an EMA copy or a frozen
             teacher; tensor parallelism by hand, without ``DTensor``, where each rank holds a part). Read only
             where the units are tokens.
+        long_run_kappa: past ``plateau_tokens_per_parameter`` tokens per parameter of the model (a run long for
+            its model), ``kappa`` is multiplied by ``(tokens per parameter / plateau_tokens_per_parameter) **
+            long_run_kappa``, at most 3 x, and the hold on a plateau no longer holds before its verdict (a verdict
+            there could not hold). ``None`` (default): off. ``0.5`` is judged on the frontier's GPTs trained for
+            115-380 tokens per parameter (results.md); a hypothesis, not the default. Needs the
+            model's parameter count (as the gate) and tokens; inert below the gate, in samples, or where the count
+            is unknown.
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an argument out of range, or inconsistent bounds.
@@ -353,6 +370,7 @@ class BatchSizeController:
         plateau_exit: float | None = None,
         plateau_tokens_per_parameter: float | None = 20.0,
         model_parameters: int | None = None,
+        long_run_kappa: float | None = None,
     ) -> None:
         self._kappa_schedule, self._kappa_now = parse_kappa(kappa, "BatchSizeController")
         self._kappa_start = self._kappa_now  # a constant kappa at the run's start (before its rise)
@@ -400,6 +418,7 @@ class BatchSizeController:
         _check_number("budget_tokens", budget_tokens, allow_none=True)
         _check_plateau(hold_on_plateau, plateau_at, plateau_exit)
         _check_size_gate(plateau_tokens_per_parameter, model_parameters)
+        _check_long_run(long_run_kappa, plateau_tokens_per_parameter)
         _check_number("plan_s", plan_s)
         _check_number("plan_beta", plan_beta)
         _check_number("plan_floor_ratio", plan_floor_ratio)
@@ -467,6 +486,8 @@ class BatchSizeController:
                                     None if plateau_exit is None else float(plateau_exit),
                                     None if plateau_tokens_per_parameter is None else float(plateau_tokens_per_parameter))
         self._plateau.parameters = None if model_parameters is None else int(model_parameters)
+        self.long_run_kappa = None if long_run_kappa is None else float(long_run_kappa)
+        self._plateau.ends_at_gate = long_run_kappa is not None  # a run long for its model is one from there on
         self._parameters_given = model_parameters is not None  # the user's count wins over an adapter's
         self.kappa_rise = float(kappa_rise)
         self._updates_without_loss = 0  # updates of a run that reads the loss with none given yet (not saved)
@@ -505,10 +526,31 @@ class BatchSizeController:
         """``kappa`` at ``tokens``: the measured schedule's value, or the constant on its rise over the run's
         length (``kappa_rise``; where the length is unknown, the constant)."""
         if self._kappa_schedule is not None:
-            return self._kappa_schedule.value_at(tokens)
+            return self._kappa_schedule.value_at(tokens) * self._long_run_factor(tokens)
         if self.kappa_rise == 1.0 or self.total_tokens is None:
-            return self._kappa_start
-        return self._kappa_start * (1.0 + (self.kappa_rise - 1.0) * min(1.0, max(0.0, tokens) / self.total_tokens))
+            return self._kappa_start * self._long_run_factor(tokens)
+        rise = 1.0 + (self.kappa_rise - 1.0) * min(1.0, max(0.0, tokens) / self.total_tokens)
+        return self._kappa_start * rise * self._long_run_factor(tokens)
+
+    def _say_long_run(self, tokens: float) -> None:
+        """Logged once, where ``long_run_kappa`` first raises ``kappa``."""
+        if "long run" in self._said_once or self._long_run_factor(tokens) <= 1.0:
+            return
+        self._said_once.add("long run")
+        _log.info("BatchSizeController: %.4g units, %g tokens per parameter of the model (plateau_tokens_per_parameter): "
+                  "a run long for its model; from here kappa x (tokens per parameter / %g) ** %g, at most %g x, and "
+                  "the hold on a plateau no longer holds before its verdict", tokens,
+                  self._plateau.tokens_per_parameter, self._plateau.tokens_per_parameter, self.long_run_kappa,
+                  LONG_RUN_MOST)
+
+    def _long_run_factor(self, tokens: float) -> float:
+        """``long_run_kappa``'s factor at ``tokens``: ``(tokens per parameter / plateau_tokens_per_parameter) **
+        long_run_kappa`` past the gate, at most :data:`LONG_RUN_MOST`; 1 before it, without the option, or where the
+        tokens per parameter are not read."""
+        past = self._plateau.past_gate(tokens) if self.long_run_kappa is not None else None
+        if past is None or past <= 1.0:
+            return 1.0
+        return min(LONG_RUN_MOST, past ** self.long_run_kappa)
 
     def add_kappa_point(self, tokens: float, kappa: float) -> None:
         """Add one measured ``kappa`` (a calibration during the run): from ``tokens`` on, the
@@ -787,6 +829,7 @@ class BatchSizeController:
             self._plan.anchor = float(global_batch)
         self._read_plateau(float(tokens_seen), scheduled_lr)
         self._kappa_now = self._kappa_at(float(tokens_seen))
+        self._say_long_run(float(tokens_seen))
         if self._level.observe(step, float(tokens_seen), global_batch, accumulation_steps):
             self._rules.reset()  # the change decided earlier is in force from this step on
             self._guard.new_level()

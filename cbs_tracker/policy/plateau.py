@@ -132,6 +132,7 @@ class PlateauHold:
         self.verdict_tokens: float | None = None
         self.exit_tokens: float | None = None  # where a held run left its plateau
         self.unread = False  # the verdict came and no loss had been given
+        self.ends_at_gate = False  # long_run_kappa: no hold before the verdict past tokens_per_parameter (config)
         self.warn = False  # what decide() said last is a warning
 
     @property
@@ -149,7 +150,16 @@ class PlateauHold:
         length (``total``) nothing is held."""
         if not self.active or self.held is False:
             return False
+        if self.held is None and self.ends_at_gate and (self.past_gate(tokens) or 0.0) >= 1.0:
+            return False  # a verdict from here could not hold: the run is long for its model
         return self.held is True or total is not None  # held, or before a verdict (due or not)
+
+    def past_gate(self, tokens: float) -> float | None:
+        """The run's tokens per parameter over ``tokens_per_parameter`` at ``tokens``; ``None`` where they are not
+        read (no gate, the count unknown, or the units samples)."""
+        if self.tokens_per_parameter is None or self.parameters is None or self.in_samples:
+            return None
+        return tokens / (self.tokens_per_parameter * self.parameters)
 
     def decide(self, tokens: float, total: float | None) -> str | None:
         """The verdict at the first update past ``at`` of the run where the slope can be read, and a held
