@@ -6,7 +6,7 @@ held-out loss minus the constant batch's, paired by seed (mean and the 90% t-int
 seeds), against the share of the constant run's optimizer steps it did not take. A rule that
 trains branches (``cooled``) adds their tokens, shown beside its steps.
 
-Fourteen settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
+Sixteen settings (the first five unlike each other) (``benchmarks/proof/gpt_proof.py``): ``full``, the proof GPT (2 layers x
 128, context 128, the standard library's code, 5.2M tokens from 512-token batches, about 9
 minutes a run on one core), ``prose`` (3 layers x 96, context 64, the standard library's
 docstrings, 2.1M tokens from 256-token batches, about 5 minutes), ``synth`` (4 layers x 64,
@@ -24,8 +24,10 @@ from 256-token batches, 190 per parameter, defined after every rule) and ``tail_
 per parameter, defined after every rule) and ``tail_code`` (1 layer x 48, the code corpus, 8M tokens, 200 per
 parameter, defined after ``tail_long``'s runs) and ``tail_synth`` (2 layers x 32, the synthetic language, 8M tokens,
 240 per parameter, defined before any run of the size-gated plateau option) and ``mid`` (3 layers x 64, context 112,
-peak LR 2e-3, the docstrings, 1M tokens from 224-token batches, defined after every rule and before any of its runs);
-what was tuned on which is ``README_SETTINGS``.
+peak LR 2e-3, the docstrings, 1M tokens from 224-token batches, defined after every rule and before any of its runs)
+and ``code96`` (5 layers x 48, context 96, the code corpus, 1M tokens, defined after the hold became the default) and
+``duo_code`` (2 layers x 32, context 64, peak LR 2.5e-3, the code corpus, 4M tokens from 256-token batches, 117 per
+parameter, defined before any run of the long-run rule); what was tuned on which is ``README_SETTINGS``.
 Rules (``RULES``):
 ``constant`` (the setting's starting batch throughout), ``kappa0.2`` ... ``kappa0.7`` (the controller
 at that ``kappa``; ``kappa0.5`` is the earlier default), ``seesaw`` (LR decay turned into growth alone:
@@ -56,7 +58,10 @@ plateau_tokens_per_parameter=None)``, the plateau rule as users get it, without 
 same with its size gate: a verdict that holds does not past 20 tokens per parameter of the model, counted by the
 tracker; the library's default, ``DEFAULT_RULE``),
 ``kappa0.4-1.2+convert+plateau0.15`` (the rising ``kappa`` with every halving converted, behind the plateau rule's
-hold and verdict).
+hold and verdict), ``library:hold_on_plateau=0.15+tpp20+long`` / ``+long50`` (the default read as a run long for its
+model past 20 tokens per parameter, ``gpt_proof_lr.long_run``: the hold ends there before its verdict, and ``kappa``
+x (tokens per parameter / 20) ** 0.25, at most 2 x / ** 0.5, at most 3 x; ``+long50`` decides as the library's
+``long_run_kappa=0.5``).
 
 Every finished run is kept in ``docs/frontier.json`` (``runs``), so the frontier grows over
 sessions; ``points`` is recomputed from them at each report::
