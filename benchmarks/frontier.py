@@ -281,7 +281,7 @@ def draw(pts: list[dict[str, Any]], path: Path) -> None:
     rules = [r for r in RULES if r != "constant" and any(p["rule"] == r for p in pts)]
     palette = [plt.get_cmap("tab10")(i) for i in range(10)] + ["black", "goldenrod", "teal", "magenta", "navy"]
     colours = {r: palette[i % len(palette)] for i, r in enumerate(rules)}
-    shapes = {r: "*" if r in (GATED_RULE, PLATEAU_RULE) else "osD^vPX"[i // 10 + 2 * (i % 3)] for i, r in enumerate(rules)}
+    shapes = {r: "*" if r in (GATED_RULE, PLATEAU_RULE) else "osD^vPX"[(i // 10 + 2 * (i % 3)) % 7] for i, r in enumerate(rules)}
     top = 0.03  # points above are drawn at the top edge, their value written beside them
     columns = max(1, len({s for s, _ in panels}))
     fig, axes = plt.subplots(2, columns, figsize=(4.6 * columns, 7.6), squeeze=False, sharex=True)
