@@ -186,6 +186,7 @@ class CBSTrainer(Trainer):
         self.unit: Unit = unit
         self.batch_size_fn = batch_size_fn
         self.ignore_index = ignore_index
+        self._labels_read = False  # the first labels counted were looked at (their kind: token ids or not)
         self.shift_labels = shift_labels
         self.estimator = self._settings.estimator
         self.preconditioner = preconditioner
@@ -559,11 +560,8 @@ class CBSTrainer(Trainer):
                     )
                 if self._loss_shifts():
                     labels = labels[..., 1:]
-            if labels.is_floating_point() or labels.is_complex():
-                raise ValueError(
-                    f"CBSTrainer(unit='tokens') counts the batch's 'labels' as tokens, but they are {labels.dtype}, "
-                    "not integer token labels (a regression's targets?); pass unit='samples' or batch_size_fn="
-                )
+            if not self._labels_read and self.session is not None:
+                self._labels_read = self.session.read_label_kind(labels, "CBSTrainer(unit='tokens')")
             size = (labels != self.ignore_index).sum()
         return check_size(size, owner="CBSTrainer(batch_size_fn=...)")
 

@@ -368,13 +368,21 @@ def test_bad_arguments_are_refused(tmp_path, kwargs, error, match):
         CBSTrainer(model=Regression(), args=training_args(str(tmp_path)), train_dataset=regression_data(4), **kwargs)
 
 
-def test_float_labels_are_not_counted_as_tokens(tmp_path):
-    """A regression's targets under the default unit='tokens' are refused with the way out, not counted (each of
-    their elements a token, and the hold then reading a loss that is not per token)."""
-    trainer = CBSTrainer(model=Regression(), args=training_args(str(tmp_path)), train_dataset=regression_data(4))
-    with pytest.raises(ValueError, match=r"'labels' as tokens, but they are torch.float32.*unit='samples'"):
-        trainer._count({"x": torch.randn(2, 8), "labels": torch.randn(2)})
-    assert int(trainer._count({"x": torch.randn(2, 8), "labels": torch.tensor([[1, 2], [-100, 3]])})) == 3
+def test_float_labels_are_counted_and_the_default_hold_says_what_it_reads(tmp_path):
+    """A regression's targets under the default unit='tokens' are counted as before, and the default hold, whose
+    threshold reads a language model's loss per token, says so once; with the hold set explicitly, nothing."""
+    def said(**kw):
+        trainer = CBSTrainer(model=Regression(), args=training_args(str(tmp_path)), train_dataset=regression_data(8),
+                             **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        return [str(w.message) for w in caught if "not token ids" in str(w.message)], trainer
+
+    messages, trainer = said()
+    assert len(messages) == 1 and "CBSTrainer(unit='tokens')" in messages[0] and "hold_on_plateau=None" in messages[0]
+    assert trainer.tokens_seen == 8  # each float target counted, as before
+    assert said(controller=BatchSizeController(hold_on_plateau=None))[0] == []
 
 
 def test_batch_size_fn_counts_the_units(tmp_path):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from cbs_tracker import BatchSizeController, CBSTracker
-from cbs_tracker.core.units import label_tokens
 from cbs_tracker.policy.controller import NO_LOSS_UPDATES
 
 STEPS = 80
@@ -67,19 +66,33 @@ def test_the_verdict_that_read_nothing_is_not_warned_twice():
     assert caught[0].filename == __file__
 
 
-@pytest.mark.filterwarnings("ignore:.*single microbatch")
-@pytest.mark.parametrize("labels", [torch.randn(4), torch.randn(4, dtype=torch.float64), [1, 2, 3]])
-def test_labels_that_are_not_integer_tokens_are_refused(labels):
+def _labelled(labels, **controller):
+    """Two steps of a plain loop counting tokens from ``labels=``; returns the warnings about the labels' kind."""
     model = torch.nn.Linear(4, 1)
-    tracker = CBSTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=1)
-    with pytest.raises(TypeError, match=r"microbatch\(labels=<a .*>\): expected a tensor of integer token labels"):
-        with tracker.microbatch(labels=labels):
+    ctrl = BatchSizeController(total_tokens=1000.0, **controller)
+    tracker = CBSTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2, controller=ctrl)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for _ in range(2):
+                with tracker.microbatch(labels=labels):
+                    model(torch.randn(4, 4)).sum().backward()
+            tracker.step()
+    return [w for w in caught if "not token ids" in str(w.message)]
+
+
+def test_float_labels_under_the_default_hold_are_counted_and_said_once():
+    """A per-position regression with padding (float targets, ``ignore_index`` where padded) counts its positions as
+    tokens, as before; the default hold, whose threshold is a language model's loss per token, says so once, naming
+    the way to say which; an explicit hold, or token ids, say nothing."""
+    targets = torch.tensor([0.5, -100.0, 1.5, 2.5])
+    said = _labelled(targets)
+    assert len(said) == 1 and "hold_on_plateau=None" in str(said[0].message) and said[0].filename == __file__
+    assert "torch.float32" in str(said[0].message)
+    assert _labelled(targets, hold_on_plateau=None) == [] and _labelled(targets, hold_on_plateau=0.3) == []
+    assert _labelled(torch.tensor([1, 2, -100, 3])) == []
+    model = torch.nn.Linear(4, 1)
+    tracker = CBSTracker(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    with pytest.raises(TypeError, match=r"microbatch\(labels=list\): expected a tensor of labels"):
+        with tracker.microbatch(labels=[1, 2, 3]):
             pass
-    with tracker.microbatch(labels=torch.tensor([1, 2, -100, 3])):  # token labels still count
-        model(torch.randn(4, 4)).sum().backward()
-    tracker.step()
-    count = label_tokens()
-    assert int(count((None, torch.tensor([[1, -100], [2, 3]])))) == 3
-    if isinstance(labels, torch.Tensor):
-        with pytest.raises(TypeError, match=r"label_tokens\(key=-1\): batch\[-1\] is a tensor of torch.float"):
-            count((None, labels))

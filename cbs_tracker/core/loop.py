@@ -34,14 +34,6 @@ __all__ = ["AUTO_MEMORY_FRACTION", "LoopTracker", "refuse_pipeline"]
 AUTO_MEMORY_FRACTION = 0.85
 
 
-def _refuse_labels(labels: Any, owner: str) -> None:
-    """``labels=`` that are not integer class labels: their tokens cannot be counted."""
-    what = (f"a tensor of {labels.dtype}" if isinstance(labels, torch.Tensor) else f"a {type(labels).__name__}")
-    raise TypeError(f"{owner}.microbatch(labels=<{what}>): expected a tensor of integer token labels (tokens are "
-                    "counted as labels != ignore_index); for targets that are not tokens (a regression's, say) pass "
-                    "size= with the microbatch's units (build the tracker with unit='samples' to count samples)")
-
-
 class LoopTracker:
     """Measures the gradient noise scale of a hand-written loop and (with a controller) sets its accumulation.
 
@@ -179,6 +171,7 @@ class LoopTracker:
         self.model = model
         self.optimizer = optimizer
         self.ignore_index = ignore_index
+        self._labels_read = False  # the first labels= were looked at (their kind: token ids or not)
         self.grad_scaler = grad_scaler
         self.loss_divided_by_accumulation = bool(loss_divided_by_accumulation)
         self.loss_normalization = loss_normalization
@@ -534,14 +527,12 @@ class LoopTracker:
 
         Raises:
             TypeError: neither or both of ``size`` and ``labels``; a bool or a tensor of
-                several elements as ``size``; ``labels`` that are not a tensor of integer token labels
-                (floating-point or complex: a regression's targets are not tokens).
+                several elements as ``size``; ``labels`` that are not a tensor.
             ValueError: a negative or non-finite ``size``.
             RuntimeError: nested microbatches.
         """
-        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.is_floating_point()
-                                   or labels.is_complex()):
-            _refuse_labels(labels, type(self).__name__)
+        if labels is not None and not self._labels_read:
+            self._labels_read = self.session.read_label_kind(labels, f"{type(self).__name__}.microbatch")
         counted = self._counted_now
         if counted is not None and self._window_index >= self._fast_from and not self._in_microbatch:
             # a window that only counts, past its start: the size is all there is to keep

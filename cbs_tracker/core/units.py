@@ -70,11 +70,6 @@ def label_tokens(key: int | str = -1, *, ignore_index: int = -100) -> BatchSizeF
             raise TypeError(
                 f"label_tokens(key={key!r}): batch[{key!r}] is a {type(labels).__name__}, not a tensor of labels"
             )
-        if labels.is_floating_point() or labels.is_complex():
-            raise TypeError(
-                f"label_tokens(key={key!r}): batch[{key!r}] is a tensor of {labels.dtype}, not integer token labels: "
-                "its elements are not tokens (a regression's targets?); count the batch's samples instead"
-            )
         return (labels != ignore_index).sum()
 
     return count

@@ -620,6 +620,12 @@ class BatchSizeController:
             self._plateau.parameters = count
 
     @property
+    def default_hold(self) -> bool:
+        """The hold on a plateau is the default's (``hold_on_plateau="auto"``) and on: its threshold reads a
+        language model's loss per token."""
+        return self._plateau_auto and self._plateau.active
+
+    @property
     def model_parameters(self) -> int | None:
         """The model's parameter count the plateau verdict reads (``None``: unknown)."""
         return self._plateau.parameters
