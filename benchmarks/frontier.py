@@ -389,7 +389,7 @@ README_SETTINGS = {
     "tail_synth": ("2 × 32, the synthetic language, 240 tokens per parameter", ()),
     "mid": ("3 × 64, prose, context 112", ()),
     "code96": ("5 × 48, code, context 96", ()),
-    "duo_code": ("2 × 32, code, context 64, 115 tokens per parameter", ()),
+    "duo_code": ("2 × 32, code, context 64, 117 tokens per parameter", ()),
 }
 README_MARK = "<!-- frontier-readme -->\n"
 

@@ -239,8 +239,8 @@ class BatchSizeController:
             hold for the rest of the run; otherwise the rule is in force from then on. Default ``"auto"``:
             ``0.15`` where the units are tokens, and no hold where an adapter says they are samples (the threshold
             is a language model's loss per token, in nats; give a number to hold on a plateau of another loss). It
-            kept the loss on 28 of 30 small-GPT settings and schedules where the ``kappa`` rule alone
-            (``None``, the earlier default) kept it on 17, saving up to 15 points fewer of the steps where both
+            kept the loss on 30 of 32 small-GPT settings and schedules where the ``kappa`` rule alone
+            (``None``, the earlier default) kept it on 19, saving up to 15 points fewer of the steps where both
             kept it (results.md): a hypothesis read off eight of them, in nats, which a run long for its model
             falls slower than a quarter in; past ``plateau_tokens_per_parameter`` such a run is not held (see
             there). It needs each step's training loss (:meth:`observe_loss`; the adapters pass it where they
