@@ -324,7 +324,7 @@ class BatchSizeController:
             its model), ``kappa`` is multiplied by ``(tokens per parameter / plateau_tokens_per_parameter) **
             long_run_kappa``, at most 3 x, and the hold on a plateau no longer holds before its verdict (a verdict
             there could not hold). ``None`` (default): off. ``0.5`` is judged on the frontier's GPTs trained for
-            115-380 tokens per parameter (results.md); a hypothesis, not the default. Needs the
+            117-380 tokens per parameter (results.md); a hypothesis, not the default. Needs the
             model's parameter count (as the gate) and tokens; inert below the gate, in samples, or where the count
             is unknown.
     Raises:
