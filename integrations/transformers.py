@@ -561,7 +561,8 @@ class CBSTrainer(Trainer):
                 if self._loss_shifts():
                     labels = labels[..., 1:]
             if not self._labels_read and self.session is not None:
-                self._labels_read = self.session.read_label_kind(labels, "CBSTrainer(unit='tokens')")
+                self.session.read_label_kind(labels, "CBSTrainer(unit='tokens')")
+                self._labels_read = True
             size = (labels != self.ignore_index).sum()
         return check_size(size, owner="CBSTrainer(batch_size_fn=...)")
 

@@ -532,7 +532,8 @@ class LoopTracker:
             RuntimeError: nested microbatches.
         """
         if labels is not None and not self._labels_read:
-            self._labels_read = self.session.read_label_kind(labels, f"{type(self).__name__}.microbatch")
+            self.session.read_label_kind(labels, f"{type(self).__name__}.microbatch")
+            self._labels_read = True
         counted = self._counted_now
         if counted is not None and self._window_index >= self._fast_from and not self._in_microbatch:
             # a window that only counts, past its start: the size is all there is to keep

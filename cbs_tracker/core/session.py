@@ -277,10 +277,10 @@ class TrackingSession:
             self.logger.log(window.record)
 
     # ------------------------------------------------------------------ warnings
-    def read_label_kind(self, labels: Any, owner: str) -> bool:
+    def read_label_kind(self, labels: Any, owner: str) -> None:
         """The first ``labels`` a run counts tokens from: a tensor (else a ``TypeError``), and where they are not token
         ids (floating point: a regression's targets, say) while the controller holds on a plateau by default, a warning
-        that its threshold reads a language model's loss per token. Returns ``True`` (read)."""
+        that its threshold reads a language model's loss per token."""
         if not callable(getattr(labels, "is_floating_point", None)):  # not a tensor
             raise TypeError(f"{owner}(labels={type(labels).__name__}): expected a tensor of labels (tokens are counted "
                             "as labels != ignore_index)")
@@ -290,7 +290,6 @@ class TrackingSession:
                            "language model's cross-entropy per token (0.15 nats per e-fold of tokens). For another "
                            "loss pass BatchSizeController(hold_on_plateau=None), or a threshold of that loss, to say "
                            "which")
-        return True
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn ``message`` the first time ``key`` is seen (saved with the state)."""

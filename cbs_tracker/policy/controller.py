@@ -380,7 +380,7 @@ class BatchSizeController:
                              "kappa at the start to kappa_rise * kappa at the run's end; 1 keeps it fixed)")
         if kappa_rise != 1 and self._kappa_schedule is not None:
             warn_user(f"BatchSizeController(kappa_rise={kappa_rise!r}) is ignored: kappa is a measured "
-                          "KappaSchedule, used as given.")
+                      "KappaSchedule, used as given.")
         _check_number("conversion_kappa", conversion_kappa)
         _check_number("convert_until", convert_until)
         if convert_until > 1.0:
@@ -614,8 +614,8 @@ class BatchSizeController:
         if self._plateau.in_samples and self._parameters_given and self._plateau.active \
                 and self._plateau.tokens_per_parameter is not None:
             warn_user(f"BatchSizeController(model_parameters={self._plateau.parameters}): the run's units are "
-                          "samples, so plateau_tokens_per_parameter is not read and the count is not used (count "
-                          "tokens, or give plateau_tokens_per_parameter=None)")
+                      "samples, so plateau_tokens_per_parameter is not read and the count is not used (count "
+                      "tokens, or give plateau_tokens_per_parameter=None)")
         if not self._parameters_given:
             self._plateau.parameters = count
 
